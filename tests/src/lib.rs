@@ -1,0 +1,1 @@
+//! Test ground for prefix-router.
