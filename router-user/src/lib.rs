@@ -1,1 +1,24 @@
-//! prefix-router library.
+//! prefix-router: routes OpenAI-compatible requests to the inference server
+//! most likely to hold the prompt's prefix in its KV cache, within a hard
+//! load bound. See ARCHITECTURE.md for the map of this crate.
+
+pub mod admin;
+pub mod backend;
+pub mod config;
+pub mod ebpf;
+pub mod error;
+pub mod extract;
+pub mod forward;
+pub mod hash;
+pub mod health;
+pub mod http;
+pub mod index;
+pub mod io;
+pub mod listener;
+pub mod logging;
+pub mod metrics;
+pub mod pool;
+pub mod proxy;
+pub mod reload;
+pub mod router;
+pub mod select;

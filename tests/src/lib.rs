@@ -1,1 +1,33 @@
-//! Test ground for prefix-router.
+//! Test ground for prefix-router: the simulated vLLM engine, the workload
+//! generator and helpers for end-to-end tests.
+//!
+//! # For tests
+//! - [`bin_path`]`(name) -> PathBuf`: a workspace binary (`sim-engine`,
+//!   `workload`, `prefix-router`), built on demand.
+//! - [`engine_proc::SimEngine::spawn`]`(&["--kv-blocks", "64"]) -> SimEngine { addr, child }`:
+//!   a running engine on `127.0.0.1:<free port>`, killed on drop.
+//! - [`proc::Spawned`] (child guard: SIGTERM then SIGKILL on drop, stderr
+//!   kept for diagnostics), [`proc::free_port`], [`proc::wait_http_ready`].
+//! - [`http::request`]`(addr, method, path, headers, body) -> Response { status, headers, body }`
+//!   and [`http::request_chunks`] (each chunk with its arrival instant).
+//!
+//! # For benchmarks and router tests
+//! - [`workload::RunConfig`] (target URL, [`workload::Scenario`], users or
+//!   rate, request count and/or duration, seed) and
+//!   [`workload::run`]`(cfg).await -> anyhow::Result<(Vec<Record>, Summary)>`, or
+//!   [`workload::run_blocking`]. [`workload::Summary`] carries the hit rate,
+//!   its ceiling, TTFT and latency percentiles, throughput and per-instance load.
+//!
+//! # The engine
+//! [`engine`] holds the simulated engine's logic (the `sim-engine` binary is
+//! a thin wrapper); its tokenizer and block hashing are what the workload's
+//! hit-rate ceiling uses.
+
+mod bin_path;
+pub mod engine;
+pub mod engine_proc;
+pub mod http;
+pub mod proc;
+pub mod workload;
+
+pub use bin_path::bin_path;

@@ -1,0 +1,131 @@
+//! XDP program of prefix-router: counts, per registered backend, the TCP
+//! connections it opened (SYN-ACK), closed (FIN) and reset (RST), and its
+//! packets and bytes. It observes only: every frame gets `XDP_PASS`.
+//!
+//! XDP sees ingress only; on the router host the backends' packets arrive on the
+//! interface toward them, so a segment whose *source* ip:port is registered in
+//! `BACKENDS` is one the backend sent.
+//!
+//! Map layouts, names and capacities live in `router-common`; this file only
+//! declares the statics with those names (checked at compile time below).
+#![no_std]
+#![no_main]
+
+mod parse;
+
+use aya_ebpf::{
+    bindings::xdp_action,
+    macros::{map, xdp},
+    maps::{HashMap, PerCpuArray},
+    programs::XdpContext,
+};
+use router_common::{
+    BACKEND_COUNTERS_MAP, BACKENDS_MAP, BackendCounters, BackendKey, GLOBAL_BACKEND_PACKETS,
+    GLOBAL_COUNTER_SLOTS, GLOBAL_COUNTERS_MAP, GLOBAL_NON_IP, GLOBAL_NON_TCP, GLOBAL_PACKETS,
+    GLOBAL_PARSE_FAILURES, MAX_BACKENDS, XDP_PROGRAM,
+};
+
+use crate::parse::{Skip, TcpSegment};
+
+/// Backend ip:port -> dense backend index; written by userspace (`set_backends`).
+#[map]
+static BACKENDS: HashMap<BackendKey, u32> = HashMap::with_max_entries(MAX_BACKENDS, 0);
+
+/// Per-CPU counters per dense backend index; summed over CPUs by userspace.
+#[map]
+static BACKEND_COUNTERS: PerCpuArray<BackendCounters> =
+    PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+
+/// Per-CPU global counters at the `GLOBAL_*` offsets (packets, parse failures, ...).
+#[map]
+static GLOBAL_COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(GLOBAL_COUNTER_SLOTS, 0);
+
+// The statics' identifiers are the map names userspace looks up (the `#[map]`
+// macro takes only literals); these asserts tie them to `router-common`.
+const _: () = assert!(str_eq(BACKENDS_MAP, "BACKENDS"));
+const _: () = assert!(str_eq(BACKEND_COUNTERS_MAP, "BACKEND_COUNTERS"));
+const _: () = assert!(str_eq(GLOBAL_COUNTERS_MAP, "GLOBAL_COUNTERS"));
+const _: () = assert!(str_eq(XDP_PROGRAM, "router_xdp"));
+
+/// TCP flag bits (byte 13 of the TCP header).
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
+
+#[xdp]
+pub fn router_xdp(ctx: XdpContext) -> u32 {
+    bump_global(GLOBAL_PACKETS);
+    match try_router_xdp(&ctx) {
+        Ok(()) => {}
+        Err(Skip::NonIp) => bump_global(GLOBAL_NON_IP),
+        Err(Skip::NonTcp) => bump_global(GLOBAL_NON_TCP),
+        Err(Skip::Malformed) => bump_global(GLOBAL_PARSE_FAILURES),
+    }
+    xdp_action::XDP_PASS
+}
+
+fn try_router_xdp(ctx: &XdpContext) -> Result<(), Skip> {
+    let TcpSegment { key, flags } = parse::tcp_segment(ctx)?;
+    let Some(index) = BACKENDS.get_ptr(key) else {
+        return Ok(());
+    };
+    // SAFETY: a non-null pointer returned by a map lookup points at the value,
+    // valid for the duration of the program; u32 needs no more alignment than the
+    // kernel's 8-byte aligned value storage gives.
+    let index = unsafe { *index };
+    let Some(counters) = BACKEND_COUNTERS.get_ptr_mut(index) else {
+        return Ok(());
+    };
+    let bytes = (ctx.data_end() - ctx.data()) as u64;
+    // SAFETY: the pointer is this CPU's slot of a per-CPU array, so no other
+    // program run touches it concurrently; it is valid for the program's run.
+    let c = unsafe { &mut *counters };
+    c.packets += 1;
+    c.bytes += bytes;
+    if flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK {
+        c.opened += 1;
+    }
+    if flags & TCP_FIN != 0 {
+        c.closed += 1;
+    }
+    if flags & TCP_RST != 0 {
+        c.reset += 1;
+    }
+    bump_global(GLOBAL_BACKEND_PACKETS);
+    Ok(())
+}
+
+#[inline(always)]
+fn bump_global(offset: u32) {
+    if let Some(p) = GLOBAL_COUNTERS.get_ptr_mut(offset) {
+        // SAFETY: this CPU's slot of a per-CPU array: no concurrent writer.
+        unsafe { *p += 1 };
+    }
+}
+
+const fn str_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+/// The kernel lets only GPL-compatible programs call some helpers.
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

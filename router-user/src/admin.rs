@@ -1,0 +1,219 @@
+//! The operators' listener, apart from traffic: `/metrics`, `/admin/backends`,
+//! drain and undrain, `/admin/explain`, `/admin/reload`, `/health`. Small
+//! blocking HTTP/1.1 on one thread: operators' calls are rare and tiny.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use anyhow::Context;
+use serde_json::json;
+use tracing::{info, warn};
+
+use crate::extract::{Endpoint, Extractor};
+use crate::router::{RouteRequest, RouteScratch, Router};
+
+/// Largest admin request body (`/admin/explain` takes a whole request body).
+const MAX_ADMIN_BODY: usize = 64 * 1024 * 1024;
+/// A stalled operator's connection is dropped after this.
+const ADMIN_IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Re-reads the configuration source and applies it.
+pub type Reloader = Box<dyn Fn() -> anyhow::Result<()> + Send + Sync>;
+
+pub fn start(router: Arc<Router>, addr: SocketAddr, reload: Reloader) -> anyhow::Result<()> {
+    let listener =
+        TcpListener::bind(addr).with_context(|| format!("binding the admin listener {addr}"))?;
+    info!(%addr, "admin listener (metrics, /admin/*)");
+    std::thread::Builder::new()
+        .name("admin".into())
+        .spawn(move || {
+            for stream in listener.incoming().flatten() {
+                if let Err(e) = serve(&router, stream, &reload) {
+                    warn!(error = %e, "admin request failed");
+                }
+            }
+        })?;
+    Ok(())
+}
+
+fn serve(router: &Router, mut stream: TcpStream, reload: &Reloader) -> anyhow::Result<()> {
+    stream.set_read_timeout(Some(ADMIN_IO_TIMEOUT))?;
+    stream.set_write_timeout(Some(ADMIN_IO_TIMEOUT))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let mut parts = line.split_whitespace();
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or("/"));
+    let mut length = 0usize;
+    loop {
+        let mut h = String::new();
+        if reader.read_line(&mut h)? == 0 || h == "\r\n" || h == "\n" {
+            break;
+        }
+        if let Some((k, v)) = h.split_once(':') {
+            if k.trim().eq_ignore_ascii_case("content-length") {
+                length = v.trim().parse().unwrap_or(0);
+            }
+        }
+    }
+    if length > MAX_ADMIN_BODY {
+        return respond(&mut stream, 413, "text/plain", "body too large\n");
+    }
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body)?;
+    let (path, query) = target.split_once('?').unwrap_or((target, ""));
+    let param = |name: &str| {
+        query.split('&').find_map(|kv| {
+            kv.split_once('=')
+                .filter(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_owned())
+        })
+    };
+    match (method, path) {
+        ("GET", "/health") => respond(&mut stream, 200, "text/plain", "ok\n"),
+        ("GET", "/metrics") => {
+            let cfg = router.config.load();
+            let text =
+                router
+                    .metrics
+                    .render(&router.fleet.load(), &router.index, cfg.policy.name());
+            respond(&mut stream, 200, "text/plain; version=0.0.4", &text)
+        }
+        ("GET", "/admin/backends") => respond(
+            &mut stream,
+            200,
+            "application/json",
+            &backends_json(router).to_string(),
+        ),
+        ("POST", "/admin/drain") | ("POST", "/admin/undrain") => {
+            let drain = path.ends_with("/drain");
+            let Some(url) = param("backend") else {
+                return respond(&mut stream, 400, "text/plain", "give ?backend=URL\n");
+            };
+            let url = url.replace("%3A", ":").replace("%2F", "/");
+            let fleet = router.fleet.load();
+            let Some(b) = fleet.backends.iter().find(|b| b.url == url) else {
+                return respond(
+                    &mut stream,
+                    404,
+                    "text/plain",
+                    &format!("no backend {url}\n"),
+                );
+            };
+            b.state.draining.store(drain, Relaxed);
+            info!(backend = %b.url, drain, "backend drain changed by operator");
+            respond(
+                &mut stream,
+                200,
+                "application/json",
+                &backends_json(router).to_string(),
+            )
+        }
+        ("POST", "/admin/explain") => {
+            let ep = param("endpoint").unwrap_or_else(|| "chat".into());
+            let ep = match ep.as_str() {
+                "completions" => Endpoint::Completions,
+                "generate" => Endpoint::Generate,
+                _ => Endpoint::Chat,
+            };
+            let (status, v) = explain(router, ep, &body);
+            respond(&mut stream, status, "application/json", &v.to_string())
+        }
+        ("POST", "/admin/reload") => match reload() {
+            Ok(()) => respond(
+                &mut stream,
+                200,
+                "application/json",
+                &backends_json(router).to_string(),
+            ),
+            Err(e) => respond(
+                &mut stream,
+                400,
+                "text/plain",
+                &format!("reload failed: {e:#}\n"),
+            ),
+        },
+        _ => respond(&mut stream, 404, "text/plain", "not found\n"),
+    }
+}
+
+fn backends_json(router: &Router) -> serde_json::Value {
+    let fleet = router.fleet.load();
+    let total = router.index.total_tracked().max(1) as f64;
+    let list: Vec<_> = fleet
+        .backends
+        .iter()
+        .map(|b| {
+            let s = &b.state;
+            let blocks = router.index.len(b.slot);
+            json!({
+                "url": b.url,
+                "slot": b.slot,
+                "healthy": s.healthy.load(Relaxed),
+                "draining": s.draining.load(Relaxed),
+                "in_flight": s.in_flight.load(Relaxed),
+                "queued_prefill_blocks": s.queued_prefill_blocks.load(Relaxed),
+                "open_connections": s.open_conns.load(Relaxed),
+                "external_connections": s.external_conns.load(Relaxed),
+                "resets_per_sec": s.rst_per_sec.load(Relaxed),
+                "index_blocks": blocks,
+                "index_share": blocks as f64 / total,
+                "kv_blocks": s.kv_blocks.load(Relaxed),
+                "requests": s.requests.load(Relaxed),
+                "errors": s.errors.load(Relaxed),
+            })
+        })
+        .collect();
+    json!({ "policy": router.config.load().policy.name(), "backends": list })
+}
+
+/// Which backend a request body would go to now, and why. Changes nothing.
+fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Value) {
+    let mut ex = Extractor::default();
+    let mut scratch = RouteScratch::default();
+    let p = match ex.extract(ep, body, &mut scratch.canonical) {
+        Ok(p) => p,
+        Err(e) => return (e.status(), json!({ "error": e.message })),
+    };
+    let mut hashes = Vec::new();
+    let routed = router.route(
+        &RouteRequest {
+            seed: p.seed,
+            session: p.user,
+            has_prompt: true,
+        },
+        &mut scratch,
+        &mut hashes,
+    );
+    let fleet = &routed.fleet;
+    let candidates: Vec<_> = routed
+        .choice
+        .iter()
+        .map(|i| fleet.backends[i].url.clone())
+        .collect();
+    (
+        200,
+        json!({
+            "canonical_bytes": scratch.canonical.len(),
+            "blocks": hashes.len(),
+            "decision": routed.choice.decision,
+            "matched_blocks": routed.choice.matched_blocks,
+            "chosen": candidates.first(),
+            "fallbacks": candidates.get(1..).unwrap_or(&[]),
+            "backends": backends_json(router)["backends"],
+        }),
+    )
+}
+
+fn respond(stream: &mut TcpStream, status: u16, ctype: &str, body: &str) -> anyhow::Result<()> {
+    write!(
+        stream,
+        "HTTP/1.1 {status} {}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        crate::error::reason(status),
+        body.len()
+    )?;
+    Ok(())
+}

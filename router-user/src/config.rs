@@ -1,0 +1,389 @@
+//! Configuration: a TOML file (see `prefix-router.example.toml` for every key,
+//! commented) and command-line flags, which override the file.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use serde::Deserialize;
+
+use crate::hash::DEFAULT_BLOCK_BYTES;
+use crate::index::MAX_BACKENDS;
+use crate::select::{Policy, PrefixParams};
+
+/// The whole configuration. Every field has a default but `backends`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Address the traffic listener binds (every worker binds it with SO_REUSEPORT).
+    pub listen: SocketAddr,
+    /// Worker threads, each with its own io_uring event loop. 0: one per core.
+    pub workers: usize,
+    /// Routing policy.
+    pub policy: Policy,
+    /// Backends, as `http://host:port` URLs or tables with a per-backend `kv_blocks`.
+    pub backends: Vec<BackendConfig>,
+    pub prefix: PrefixConfig,
+    pub limits: Limits,
+    pub timeouts: Timeouts,
+    pub retry: Retry,
+    pub health: Health,
+    pub admin: Admin,
+    pub log: Log,
+    /// Add `x-prefix-router-backend` and `x-prefix-router-matched-blocks` to responses.
+    pub debug_headers: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: "0.0.0.0:8080".parse().expect("literal address"),
+            workers: 0,
+            policy: Policy::Prefix,
+            backends: Vec::new(),
+            prefix: PrefixConfig::default(),
+            limits: Limits::default(),
+            timeouts: Timeouts::default(),
+            retry: Retry::default(),
+            health: Health::default(),
+            admin: Admin::default(),
+            log: Log::default(),
+            debug_headers: false,
+        }
+    }
+}
+
+/// One backend: a URL, or a table with its KV capacity.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum BackendConfig {
+    Url(String),
+    Table {
+        url: String,
+        /// KV-cache capacity in blocks; overrides `prefix.kv_blocks` and the engine's own report.
+        kv_blocks: Option<usize>,
+    },
+}
+
+impl BackendConfig {
+    pub fn url(&self) -> &str {
+        match self {
+            BackendConfig::Url(u) | BackendConfig::Table { url: u, .. } => u,
+        }
+    }
+
+    pub fn kv_blocks(&self) -> Option<usize> {
+        match self {
+            BackendConfig::Url(_) => None,
+            BackendConfig::Table { kv_blocks, .. } => *kv_blocks,
+        }
+    }
+}
+
+/// Tuning of the prefix policy and index.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefixConfig {
+    /// Bytes of canonical prompt per block. 64 is about 16 tokens, one vLLM block.
+    pub block_bytes: usize,
+    /// Load bound: no backend above `(1 + epsilon) * mean load + slack`. 0.25
+    /// lets a warm backend run 25% over the mean before its prefix is shared.
+    pub epsilon: f64,
+    /// Absolute headroom of the bound, so small fleets at low load are not
+    /// forced apart by a single request.
+    pub slack: u32,
+    /// Cost of one request already in flight on a backend, in blocks of
+    /// prefill: a running decode slows a new prompt's prefill a little.
+    pub in_flight_cost_blocks: f64,
+    /// Blocks a backend must hold for the request to count as warm there.
+    pub min_match_blocks: u32,
+    /// Leading blocks that key cold prompts (256 bytes: a system prompt's start).
+    pub cold_key_blocks: usize,
+    /// Blocks each backend's index share may track when neither the backend's
+    /// `kv_blocks` nor its `vllm:cache_config_info` says (about 1M tokens).
+    pub kv_blocks: usize,
+    /// Read each engine's capacity from `vllm:cache_config_info` on `/metrics`.
+    pub read_kv_capacity: bool,
+}
+
+impl Default for PrefixConfig {
+    fn default() -> Self {
+        PrefixConfig {
+            block_bytes: DEFAULT_BLOCK_BYTES,
+            epsilon: 0.25,
+            slack: 2,
+            in_flight_cost_blocks: 2.0,
+            min_match_blocks: 1,
+            cold_key_blocks: 4,
+            kv_blocks: 65_536,
+            read_kv_capacity: true,
+        }
+    }
+}
+
+impl PrefixConfig {
+    pub fn params(&self) -> PrefixParams {
+        PrefixParams {
+            epsilon: self.epsilon,
+            slack: self.slack,
+            in_flight_cost_blocks: self.in_flight_cost_blocks,
+            min_match_blocks: self.min_match_blocks,
+        }
+    }
+}
+
+/// Limits on what clients may send and hold.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Request head bytes; more is 431.
+    pub max_header_bytes: usize,
+    /// Request body bytes; more is 413. 32 MiB holds a 100k-token prompt many times over.
+    pub max_body_bytes: usize,
+    /// Open client connections over all workers; past it new ones get 503 and are closed.
+    pub max_client_connections: usize,
+    /// Requests in flight per backend (0: no limit); past it a request waits
+    /// up to `timeouts.queue_ms` for room, then gets 503 with Retry-After.
+    pub max_in_flight_per_backend: u32,
+    /// Idle pooled connections kept per backend per worker.
+    pub max_idle_per_backend: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_header_bytes: 16 * 1024,
+            max_body_bytes: 32 * 1024 * 1024,
+            max_client_connections: 20_000,
+            max_in_flight_per_backend: 0,
+            max_idle_per_backend: 128,
+        }
+    }
+}
+
+/// Timeouts, in milliseconds.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Timeouts {
+    /// A client must send a whole request head within this (slowloris guard).
+    pub client_header_ms: u64,
+    /// A client must send the whole body within this once the head is in.
+    pub client_body_ms: u64,
+    /// An idle client keep-alive connection is closed after this.
+    pub client_idle_ms: u64,
+    /// Connecting to a backend.
+    pub backend_connect_ms: u64,
+    /// From request sent to the first response byte: covers queueing and
+    /// prefill of a long prompt on a busy engine, hence generous.
+    pub backend_first_byte_ms: u64,
+    /// Longest silence between two reads of a streaming response.
+    pub backend_idle_ms: u64,
+    /// A pooled backend connection idle longer than this is not reused.
+    pub backend_pool_idle_ms: u64,
+    /// How long a request may wait for room on a backend at its in-flight limit.
+    pub queue_ms: u64,
+    /// On SIGTERM, how long in-flight requests get to finish.
+    pub shutdown_grace_ms: u64,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            client_header_ms: 10_000,
+            client_body_ms: 60_000,
+            client_idle_ms: 120_000,
+            backend_connect_ms: 2_000,
+            backend_first_byte_ms: 300_000,
+            backend_idle_ms: 300_000,
+            backend_pool_idle_ms: 30_000,
+            queue_ms: 1_000,
+            shutdown_grace_ms: 30_000,
+        }
+    }
+}
+
+pub fn ms(v: u64) -> Duration {
+    Duration::from_millis(v)
+}
+
+/// Retries, only where a generation cannot be duplicated: the request never
+/// reached the backend, or the backend closed before any response byte.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Retry {
+    /// Attempts per request, the first included (at most 4 candidates).
+    pub max_attempts: usize,
+}
+
+impl Default for Retry {
+    fn default() -> Self {
+        Retry { max_attempts: 3 }
+    }
+}
+
+/// Active health checks, and passive ejection.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Health {
+    /// Path probed with GET; any 2xx is healthy.
+    pub path: String,
+    pub interval_ms: u64,
+    pub timeout_ms: u64,
+    /// Successes in a row before an unhealthy backend gets traffic again.
+    pub rise: u32,
+    /// Failed probes in a row before a healthy backend is taken out.
+    pub fall: u32,
+    /// Failed requests in a row (connect errors, resets, 5xx) that eject a backend.
+    pub passive_fall: u32,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Health {
+            path: "/health".into(),
+            interval_ms: 1_000,
+            timeout_ms: 1_000,
+            rise: 2,
+            fall: 2,
+            passive_fall: 3,
+        }
+    }
+}
+
+/// The operators' listener: metrics and admin API.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Admin {
+    /// Where `/metrics` and `/admin/*` are served; keep it off the traffic network.
+    pub listen: Option<SocketAddr>,
+}
+
+impl Default for Admin {
+    fn default() -> Self {
+        Admin {
+            listen: Some("127.0.0.1:9090".parse().expect("literal address")),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Log {
+    /// `error`, `warn`, `info`, `debug`, `trace`, or a tracing filter; `RUST_LOG` wins.
+    pub level: String,
+    /// One JSON object per line instead of text.
+    pub json: bool,
+}
+
+impl Default for Log {
+    fn default() -> Self {
+        Log {
+            level: "info".into(),
+            json: false,
+        }
+    }
+}
+
+impl Config {
+    pub fn from_file(path: &Path) -> anyhow::Result<Config> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading config {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("parsing config {}", path.display()))
+    }
+
+    /// Checks what serde cannot; run before the config is used.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.backends.is_empty() {
+            bail!("no backends: pass --backend URL or set `backends` in the config file");
+        }
+        if self.backends.len() > MAX_BACKENDS {
+            bail!(
+                "{} backends configured; at most {MAX_BACKENDS} are supported",
+                self.backends.len()
+            );
+        }
+        for b in &self.backends {
+            backend_addr(b.url())?;
+        }
+        if self.prefix.block_bytes == 0 {
+            bail!("prefix.block_bytes must be at least 1");
+        }
+        if !(0.0..=10.0).contains(&self.prefix.epsilon) {
+            bail!("prefix.epsilon must be between 0 and 10");
+        }
+        if self.retry.max_attempts == 0 {
+            bail!("retry.max_attempts must be at least 1");
+        }
+        Ok(())
+    }
+
+    pub fn worker_count(&self) -> usize {
+        match self.workers {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        }
+    }
+}
+
+/// Resolves `http://host:port[/]` to a socket address.
+pub fn backend_addr(url: &str) -> anyhow::Result<SocketAddr> {
+    let Some(rest) = url.strip_prefix("http://") else {
+        bail!("backend URL {url:?} must start with http:// (TLS to backends is not supported)");
+    };
+    let hostport = rest.trim_end_matches('/');
+    if hostport.contains('/') {
+        bail!("backend URL {url:?} must not have a path");
+    }
+    let with_port = if hostport
+        .rsplit_once(':')
+        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+    {
+        hostport.to_owned()
+    } else {
+        format!("{hostport}:80")
+    };
+    with_port
+        .to_socket_addrs()
+        .with_context(|| format!("resolving backend {url:?}"))?
+        .next()
+        .with_context(|| format!("backend {url:?} resolves to no address"))
+}
+
+/// Where a config file was given, for reloads.
+#[derive(Clone, Debug, Default)]
+pub struct Source {
+    pub file: Option<PathBuf>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn example_config_parses_and_matches_defaults() {
+        let text = include_str!("../prefix-router.example.toml");
+        let cfg: Config = toml::from_str(text).unwrap();
+        cfg.validate().unwrap();
+        assert_eq!(cfg.policy, Policy::Prefix);
+        assert_eq!(cfg.prefix.block_bytes, PrefixConfig::default().block_bytes);
+        assert_eq!(
+            cfg.limits.max_header_bytes,
+            Limits::default().max_header_bytes
+        );
+        assert_eq!(cfg.backends[1].kv_blocks(), Some(8192));
+    }
+
+    #[test]
+    fn unknown_keys_are_errors() {
+        assert!(toml::from_str::<Config>("lisen = \"1.2.3.4:5\"").is_err());
+    }
+
+    #[test]
+    fn backend_urls() {
+        assert_eq!(backend_addr("http://127.0.0.1:8001").unwrap().port(), 8001);
+        assert_eq!(backend_addr("http://127.0.0.1/").unwrap().port(), 80);
+        assert!(backend_addr("https://127.0.0.1:1").is_err());
+        assert!(backend_addr("http://127.0.0.1:1/v1").is_err());
+    }
+}

@@ -1,0 +1,64 @@
+//! `[ebpf]` configuration: whether to load the XDP counters, where, and how.
+
+use serde::Deserialize;
+
+/// Whether the router loads its XDP program.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum EbpfMode {
+    /// Load when possible; otherwise warn once and run without the eBPF signal
+    /// (not root, a build without the object, an interface refusing XDP).
+    #[default]
+    Auto,
+    /// Refuse to start unless the program loads and attaches everywhere.
+    Required,
+    /// Never load.
+    Off,
+}
+
+/// How the program attaches to an interface.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum XdpMode {
+    /// Native (driver) mode, falling back to generic (SKB) mode where the driver
+    /// has no XDP support (`lo` for one).
+    #[default]
+    Auto,
+    /// Native (driver) mode only: fastest; veth and most NIC drivers support it.
+    Native,
+    /// Generic (SKB) mode only: works on any interface, after the SKB is built.
+    Skb,
+}
+
+/// The `[ebpf]` section.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(default, deny_unknown_fields)]
+pub struct EbpfConfig {
+    /// Default `auto`.
+    pub mode: EbpfMode,
+    /// Interfaces to attach to. Empty (the default): the interfaces the kernel
+    /// routes the backends through (`ip route get <backend>`; `lo` for local
+    /// backends), resolved at start and again when backends are added.
+    pub interfaces: Vec<String>,
+    /// Default `auto`.
+    pub xdp_mode: XdpMode,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_lowercase_names() {
+        let c: EbpfConfig = toml::from_str("").unwrap();
+        assert_eq!(c, EbpfConfig::default());
+        assert_eq!(c.mode, EbpfMode::Auto);
+        let c: EbpfConfig =
+            toml::from_str("mode = \"required\"\ninterfaces = [\"veth0\"]\nxdp_mode = \"skb\"")
+                .unwrap();
+        assert_eq!(c.mode, EbpfMode::Required);
+        assert_eq!(c.interfaces, ["veth0"]);
+        assert_eq!(c.xdp_mode, XdpMode::Skb);
+        assert!(toml::from_str::<EbpfConfig>("mode = \"Auto\"").is_err());
+    }
+}

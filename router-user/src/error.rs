@@ -1,0 +1,188 @@
+//! One error type for the data path: what went wrong, which side caused it,
+//! and whether the request may be retried on another backend.
+
+use std::fmt;
+
+/// Who is to blame for an error; decides the log level and the metrics label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    /// The client sent something we refuse (4xx).
+    Client,
+    /// A backend failed or misbehaved (502/503/504).
+    Backend,
+    /// The router itself (500).
+    Internal,
+}
+
+/// What went wrong. Each kind maps to exactly one HTTP status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// Malformed request line, header or framing (400).
+    BadRequest,
+    /// The body is not valid JSON, or lacks the prompt the endpoint needs (400).
+    InvalidBody,
+    /// The request body is over `limits.max_body_bytes` (413).
+    BodyTooLarge,
+    /// The request head is over `limits.max_header_bytes` (431).
+    HeadersTooLarge,
+    /// A transfer coding other than `chunked` (501).
+    NotImplemented,
+    /// The client took too long to send its request (408).
+    ClientTimeout,
+    /// No backend could be reached, or a backend answered garbage (502).
+    BadGateway,
+    /// No healthy backend, or every candidate is at its in-flight limit (503).
+    Unavailable,
+    /// The backend did not answer in time (504).
+    GatewayTimeout,
+    /// A bug or resource failure in the router (500).
+    Internal,
+}
+
+impl Kind {
+    pub fn status(self) -> u16 {
+        match self {
+            Kind::BadRequest | Kind::InvalidBody => 400,
+            Kind::ClientTimeout => 408,
+            Kind::BodyTooLarge => 413,
+            Kind::HeadersTooLarge => 431,
+            Kind::Internal => 500,
+            Kind::NotImplemented => 501,
+            Kind::BadGateway => 502,
+            Kind::Unavailable => 503,
+            Kind::GatewayTimeout => 504,
+        }
+    }
+
+    pub fn side(self) -> Side {
+        match self {
+            Kind::BadRequest
+            | Kind::InvalidBody
+            | Kind::BodyTooLarge
+            | Kind::HeadersTooLarge
+            | Kind::NotImplemented
+            | Kind::ClientTimeout => Side::Client,
+            Kind::BadGateway | Kind::Unavailable | Kind::GatewayTimeout => Side::Backend,
+            Kind::Internal => Side::Internal,
+        }
+    }
+
+    /// OpenAI's `error.type` for this kind.
+    fn openai_type(self) -> &'static str {
+        match self.side() {
+            Side::Client => "invalid_request_error",
+            Side::Backend => "upstream_error",
+            Side::Internal => "internal_error",
+        }
+    }
+}
+
+/// An error on the data path, answered to the client as OpenAI-shaped JSON.
+#[derive(Debug)]
+pub struct RouterError {
+    pub kind: Kind,
+    /// True when the request never reached a backend, so another may take it.
+    pub retryable: bool,
+    /// A message a person can act on.
+    pub message: String,
+}
+
+impl RouterError {
+    pub fn new(kind: Kind, message: impl Into<String>) -> Self {
+        RouterError {
+            kind,
+            retryable: false,
+            message: message.into(),
+        }
+    }
+
+    pub fn retryable(kind: Kind, message: impl Into<String>) -> Self {
+        RouterError {
+            kind,
+            retryable: true,
+            message: message.into(),
+        }
+    }
+
+    pub fn status(&self) -> u16 {
+        self.kind.status()
+    }
+
+    /// The whole HTTP response for this error. `close` adds `connection: close`
+    /// (after framing errors the byte stream can no longer be trusted).
+    pub fn to_response(&self, close: bool, retry_after: Option<u32>) -> Vec<u8> {
+        let body = serde_json::json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind.openai_type(),
+                "param": null,
+                "code": self.status(),
+            }
+        })
+        .to_string();
+        let mut out = Vec::with_capacity(body.len() + 160);
+        out.extend_from_slice(
+            format!(
+                "HTTP/1.1 {} {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n",
+                self.status(),
+                reason(self.status()),
+                body.len()
+            )
+            .as_bytes(),
+        );
+        if let Some(secs) = retry_after {
+            out.extend_from_slice(format!("retry-after: {secs}\r\n").as_bytes());
+        }
+        if close {
+            out.extend_from_slice(b"connection: close\r\n");
+        }
+        out.extend_from_slice(b"x-prefix-router-error: 1\r\n\r\n");
+        out.extend_from_slice(body.as_bytes());
+        out
+    }
+}
+
+impl fmt::Display for RouterError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.message, self.status())
+    }
+}
+
+impl std::error::Error for RouterError {}
+
+/// The reason phrase for the statuses the router itself produces.
+pub fn reason(status: u16) -> &'static str {
+    match status {
+        100 => "Continue",
+        200 => "OK",
+        400 => "Bad Request",
+        404 => "Not Found",
+        408 => "Request Timeout",
+        413 => "Content Too Large",
+        431 => "Request Header Fields Too Large",
+        500 => "Internal Server Error",
+        501 => "Not Implemented",
+        502 => "Bad Gateway",
+        503 => "Service Unavailable",
+        504 => "Gateway Timeout",
+        _ => "",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_response_is_openai_shaped_json() {
+        let e = RouterError::new(Kind::BodyTooLarge, "body is 5 bytes, the limit is 4");
+        let resp = String::from_utf8(e.to_response(true, None)).unwrap();
+        assert!(resp.starts_with("HTTP/1.1 413 Content Too Large\r\n"));
+        assert!(resp.contains("connection: close\r\n"));
+        let body = resp.split("\r\n\r\n").nth(1).unwrap();
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["error"]["code"], 413);
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["message"], "body is 5 bytes, the limit is 4");
+    }
+}

@@ -1,0 +1,340 @@
+//! Forwarding one request to one backend and streaming the response back as
+//! it arrives: every chunk the backend sends is written to the client at
+//! once (TCP_NODELAY on both sides), so SSE tokens are not held back.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use monoio::net::TcpStream;
+use tracing::debug;
+
+use crate::backend::{Backend, InFlight};
+use crate::config::{Config, ms};
+use crate::error::{Kind, RouterError};
+use crate::health;
+use crate::http::chunked::ChunkedDecoder;
+use crate::http::request::{BodyFraming, RequestHead};
+use crate::http::response::{self, ResponseFraming};
+use crate::io::{Read, read_more, write_all, write_range};
+use crate::pool::BackendConn;
+use crate::proxy::{ClientConn, Worker};
+use crate::router::Routed;
+
+/// Bodies up to this size are copied behind the head and sent in one write;
+/// larger ones go in a second write straight from the receive buffer.
+const COALESCE_BODY: usize = 64 * 1024;
+/// Largest response head accepted from a backend.
+const MAX_RESPONSE_HEAD: usize = 64 * 1024;
+
+/// Where the request body is.
+#[derive(Clone, Copy, Debug)]
+pub enum Body {
+    /// In the client buffer, as received (Content-Length framing).
+    InBuf { start: usize, end: usize },
+    /// Decoded from chunked framing into `ClientConn::body`.
+    Decoded,
+}
+
+/// Why an attempt did not complete.
+pub enum Failure {
+    /// The backend never got or never answered the request: try another.
+    Retry(RouterError),
+    /// Answer the client with this error (nothing was sent to it yet).
+    Answer(RouterError),
+    /// Response bytes already reached the client and the stream broke: the
+    /// client connection must close so the client sees a truncated response.
+    Abort,
+}
+
+/// Completes `c.fwd` (the forwarded head) with the body's length and, when
+/// small, the body itself.
+pub fn finish_request_head(c: &mut ClientConn, head: &RequestHead, body: Body) {
+    let len = body_slice(c, body).len();
+    if head.body != BodyFraming::None {
+        c.fwd
+            .extend_from_slice(format!("content-length: {len}\r\n").as_bytes());
+    }
+    c.fwd.extend_from_slice(b"\r\n");
+    if len <= COALESCE_BODY {
+        let ClientConn {
+            fwd,
+            buf,
+            body: decoded,
+            ..
+        } = c;
+        match body {
+            Body::InBuf { start, end } => fwd.extend_from_slice(&buf[start..end]),
+            Body::Decoded => fwd.extend_from_slice(decoded),
+        }
+    }
+}
+
+fn body_slice(c: &ClientConn, body: Body) -> &[u8] {
+    match body {
+        Body::InBuf { start, end } => &c.buf[start..end],
+        Body::Decoded => &c.body,
+    }
+}
+
+/// Sends the request to `backend` and streams the response to the client.
+/// `Ok(true)`: the client connection must close afterwards.
+#[allow(clippy::too_many_arguments)]
+pub async fn forward(
+    worker: &Worker,
+    cfg: &Config,
+    c: &mut ClientConn,
+    head: &RequestHead,
+    body: Body,
+    backend: &Arc<Backend>,
+    routed: &Routed,
+    matched_blocks: u32,
+) -> Result<bool, Failure> {
+    let router = &worker.router;
+    let uncached = (c.hashes.len() as u32).saturating_sub(matched_blocks);
+    let mut inflight = InFlight::start(backend.clone(), uncached);
+    router.learn(backend, &c.hashes);
+
+    // A pooled connection may have been closed by the backend while idle; if
+    // it fails before any response byte, one fresh connection is tried.
+    let mut conn = None;
+    let mut fresh_only = false;
+    let rhead = loop {
+        let mut bc = match conn.take() {
+            Some(bc) => bc,
+            None => get_conn(worker, cfg, backend, fresh_only)
+                .await
+                .map_err(|e| {
+                    health::request_failed(router, backend, &e.message);
+                    Failure::Retry(e)
+                })?,
+        };
+        match exchange(cfg, c, head, body, &mut bc, &mut inflight).await {
+            Ok(h) => {
+                conn = Some(bc);
+                break h;
+            }
+            Err(Exchange::NoResponse(why)) if bc.reused => {
+                debug!(backend = %backend.url, why, "pooled connection was stale; reconnecting");
+                fresh_only = true;
+            }
+            Err(Exchange::NoResponse(why)) => {
+                health::request_failed(router, backend, why);
+                return Err(Failure::Retry(RouterError::retryable(
+                    Kind::BadGateway,
+                    format!(
+                        "backend {} closed the connection before responding ({why})",
+                        backend.url
+                    ),
+                )));
+            }
+            Err(Exchange::Failed(e)) => {
+                health::request_failed(router, backend, &e.message);
+                return Err(Failure::Answer(e));
+            }
+        }
+    };
+    let mut bc = conn.expect("set on break");
+
+    // The client's head: the backend's, hop-by-hop headers dropped, ours added.
+    let close_client = rhead.framing == ResponseFraming::Close || !head.keep_alive;
+    if cfg.debug_headers {
+        c.out.extend_from_slice(
+            format!(
+                "x-prefix-router-backend: {}\r\nx-prefix-router-matched-blocks: {}\r\nx-prefix-router-decision: {:?}\r\n",
+                backend.url, matched_blocks, routed.choice.decision
+            )
+            .as_bytes(),
+        );
+    }
+    if close_client {
+        c.out.extend_from_slice(b"connection: close\r\n");
+    }
+    c.out.extend_from_slice(b"\r\n");
+    let mut tracker = Tracker::new(rhead.framing);
+    let (take, mut done) = tracker
+        .feed(&c.rbuf[rhead.len..])
+        .map_err(|_| Failure::Abort)?;
+    let mut leftover = rhead.len + take < c.rbuf.len();
+    c.out
+        .extend_from_slice(&c.rbuf[rhead.len..rhead.len + take]);
+    write_all(&mut c.stream, &mut c.out)
+        .await
+        .map_err(|_| Failure::Abort)?;
+
+    let idle = ms(cfg.timeouts.backend_idle_ms);
+    while !done {
+        c.rbuf.clear();
+        match read_more(&mut bc.stream, &mut c.rbuf, idle).await {
+            Read::Data(n) => {
+                let (take, d) = tracker.feed(&c.rbuf[..n]).map_err(|_| Failure::Abort)?;
+                leftover |= take < n;
+                done = d;
+                write_range(&mut c.stream, &mut c.rbuf, 0, take)
+                    .await
+                    .map_err(|_| Failure::Abort)?;
+            }
+            Read::Eof if rhead.framing == ResponseFraming::Close => done = true,
+            Read::Eof | Read::Err(_) | Read::TimedOut => {
+                health::request_failed(router, backend, "response stream broke");
+                debug!(backend = %backend.url, "backend stream ended early; closing the client connection");
+                return Err(Failure::Abort);
+            }
+        }
+    }
+    drop(inflight);
+    if rhead.status >= 500 {
+        health::request_failed(router, backend, "5xx answer");
+    } else {
+        health::request_succeeded(backend);
+    }
+    router.metrics.observe_response(backend.slot, rhead.status);
+    if rhead.reusable && !leftover {
+        worker.pool.put(bc, cfg.limits.max_idle_per_backend);
+    }
+    Ok(close_client)
+}
+
+/// How an exchange failed before the response head was complete.
+enum Exchange {
+    /// No response byte arrived: the backend did not process the request.
+    NoResponse(&'static str),
+    /// The backend answered garbage or too late.
+    Failed(RouterError),
+}
+
+/// Writes the request and reads the response head into `c.rbuf` (the head
+/// for the client goes to `c.out`).
+async fn exchange(
+    cfg: &Config,
+    c: &mut ClientConn,
+    head: &RequestHead,
+    body: Body,
+    bc: &mut BackendConn,
+    inflight: &mut InFlight,
+) -> Result<response::ResponseHead, Exchange> {
+    write_all(&mut bc.stream, &mut c.fwd)
+        .await
+        .map_err(|_| Exchange::NoResponse("write failed"))?;
+    if body_slice(c, body).len() > COALESCE_BODY {
+        let res = match body {
+            Body::InBuf { start, end } => write_range(&mut bc.stream, &mut c.buf, start, end).await,
+            Body::Decoded => write_all(&mut bc.stream, &mut c.body).await,
+        };
+        res.map_err(|_| Exchange::NoResponse("write failed"))?;
+    }
+    c.rbuf.clear();
+    let deadline = Instant::now() + ms(cfg.timeouts.backend_first_byte_ms);
+    loop {
+        match read_more(
+            &mut bc.stream,
+            &mut c.rbuf,
+            deadline.saturating_duration_since(Instant::now()),
+        )
+        .await
+        {
+            Read::Data(_) => inflight.prefilled(),
+            Read::Eof | Read::Err(_) if c.rbuf.is_empty() => {
+                return Err(Exchange::NoResponse("connection closed"));
+            }
+            Read::Eof | Read::Err(_) => {
+                return Err(Exchange::Failed(RouterError::new(
+                    Kind::BadGateway,
+                    "backend closed the connection in the middle of its response head",
+                )));
+            }
+            Read::TimedOut => {
+                return Err(Exchange::Failed(RouterError::new(
+                    Kind::GatewayTimeout,
+                    format!(
+                        "backend sent nothing within {} ms",
+                        cfg.timeouts.backend_first_byte_ms
+                    ),
+                )));
+            }
+        }
+        loop {
+            match response::parse(&c.rbuf, head.method_is_head, MAX_RESPONSE_HEAD, &mut c.out) {
+                Ok(Some(h)) if (100..200).contains(&h.status) && h.status != 101 => {
+                    // An interim response (we never forward Expect): skip it.
+                    c.rbuf.drain(..h.len);
+                }
+                Ok(Some(h)) => return Ok(h),
+                Ok(None) => break,
+                Err(e) => return Err(Exchange::Failed(e)),
+            }
+        }
+    }
+}
+
+async fn get_conn(
+    worker: &Worker,
+    cfg: &Config,
+    backend: &Arc<Backend>,
+    fresh_only: bool,
+) -> Result<BackendConn, RouterError> {
+    if !fresh_only {
+        if let Some(conn) = worker
+            .pool
+            .take(backend, ms(cfg.timeouts.backend_pool_idle_ms))
+        {
+            return Ok(conn);
+        }
+    }
+    let connect = TcpStream::connect_addr(backend.addr);
+    let stream = match monoio::time::timeout(ms(cfg.timeouts.backend_connect_ms), connect).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            return Err(RouterError::retryable(
+                Kind::BadGateway,
+                format!("cannot connect to backend {}: {e}", backend.url),
+            ));
+        }
+        Err(_) => {
+            return Err(RouterError::retryable(
+                Kind::BadGateway,
+                format!(
+                    "connecting to backend {} took over {} ms",
+                    backend.url, cfg.timeouts.backend_connect_ms
+                ),
+            ));
+        }
+    };
+    let _ = stream.set_nodelay(true);
+    Ok(BackendConn::new(stream, backend.clone()))
+}
+
+/// Follows the response framing to find where the response ends.
+enum Tracker {
+    Done,
+    Length(u64),
+    Chunked(ChunkedDecoder),
+    Close,
+}
+
+impl Tracker {
+    fn new(framing: ResponseFraming) -> Tracker {
+        match framing {
+            ResponseFraming::None | ResponseFraming::Length(0) => Tracker::Done,
+            ResponseFraming::Length(n) => Tracker::Length(n),
+            ResponseFraming::Chunked => Tracker::Chunked(ChunkedDecoder::new()),
+            ResponseFraming::Close => Tracker::Close,
+        }
+    }
+
+    /// How many of `bytes` belong to the response, and whether it is complete.
+    fn feed(&mut self, bytes: &[u8]) -> Result<(usize, bool), RouterError> {
+        match self {
+            Tracker::Done => Ok((0, true)),
+            Tracker::Length(left) => {
+                let take = (*left).min(bytes.len() as u64);
+                *left -= take;
+                Ok((take as usize, *left == 0))
+            }
+            Tracker::Chunked(d) => {
+                let take = d.feed(bytes, None)?;
+                Ok((take, d.is_done()))
+            }
+            Tracker::Close => Ok((bytes.len(), false)),
+        }
+    }
+}

@@ -1,0 +1,94 @@
+//! Prefix hashing: the canonical prompt cut into fixed-size blocks, each block's
+//! hash chained over every block before it (as vLLM keys its KV-cache blocks),
+//! so equal hashes at position i mean equal prompts up to the end of block i.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Default block size in bytes of canonical prompt: about 16 tokens at the
+/// usual ~4 bytes per token, i.e. one vLLM KV-cache block.
+pub const DEFAULT_BLOCK_BYTES: usize = 64;
+
+/// The first link of every chain: a hash of the namespace (model, adapter,
+/// cache salt), so different models never share a block hash.
+pub fn namespace_seed(parts: &[&[u8]]) -> u64 {
+    let mut seed = 0x7072_6566_6978_7274; // "prefixrt"
+    for p in parts {
+        seed = xxh3_64_with_seed(p, seed ^ p.len() as u64);
+    }
+    seed
+}
+
+/// Appends the chained hashes of every full block of `canonical` to `out`.
+/// A partial last block is not hashed (engines cache only full blocks).
+/// Hashes are never 0: the prefix index uses 0 for an empty slot.
+pub fn block_hashes(seed: u64, canonical: &[u8], block_bytes: usize, out: &mut Vec<u64>) {
+    debug_assert!(block_bytes > 0);
+    out.reserve(canonical.len() / block_bytes);
+    let mut h = seed;
+    for block in canonical.chunks_exact(block_bytes) {
+        h = xxh3_64_with_seed(block, h).max(1);
+        out.push(h);
+    }
+}
+
+/// The key a cold prompt is placed by: the chained hash after its first
+/// `key_blocks` blocks, so every prompt that shares those blocks (the same
+/// system prompt or few-shot template) lands on the same backend. Prompts
+/// shorter than one block hash what they have.
+pub fn cold_key(seed: u64, canonical: &[u8], hashes: &[u64], key_blocks: usize) -> u64 {
+    match hashes.len().min(key_blocks.max(1)) {
+        0 => xxh3_64_with_seed(canonical, seed),
+        n => hashes[n - 1],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn only_full_blocks_are_hashed() {
+        let mut out = Vec::new();
+        block_hashes(1, &[7u8; 64 * 3 + 63], 64, &mut out);
+        assert_eq!(out.len(), 3);
+    }
+
+    #[test]
+    fn namespaces_separate_models() {
+        let text = [b'a'; 128];
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        block_hashes(namespace_seed(&[b"llama"]), &text, 64, &mut a);
+        block_hashes(namespace_seed(&[b"qwen"]), &text, 64, &mut b);
+        assert!(a.iter().zip(&b).all(|(x, y)| x != y));
+    }
+
+    proptest! {
+        /// A prompt's hashes are a prefix of the hashes of any extension of it:
+        /// turn N+1 of a chat matches turn N block for block.
+        #[test]
+        fn extensions_share_the_prefix_chain(base in proptest::collection::vec(any::<u8>(), 0..600),
+                                              ext in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let mut full = base.clone();
+            full.extend_from_slice(&ext);
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            block_hashes(9, &base, 64, &mut a);
+            block_hashes(9, &full, 64, &mut b);
+            prop_assert_eq!(&b[..a.len()], &a[..]);
+        }
+
+        /// Changing one byte changes the hash of its block and every block after.
+        #[test]
+        fn a_change_breaks_the_chain_from_its_block_on(text in proptest::collection::vec(any::<u8>(), 256..512),
+                                                       at in 0usize..256) {
+            let mut other = text.clone();
+            other[at] ^= 0x55;
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            block_hashes(3, &text, 64, &mut a);
+            block_hashes(3, &other, 64, &mut b);
+            let first = at / 64;
+            prop_assert_eq!(&a[..first], &b[..first]);
+            prop_assert!(a[first..].iter().zip(&b[first..]).all(|(x, y)| x != y));
+        }
+    }
+}

@@ -1,0 +1,269 @@
+//! Request heads: parse, refuse what could smuggle a second request past a
+//! backend, and write the head to forward (hop-by-hop headers dropped).
+
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::{MAX_HEADERS, has_token, is_hop_by_hop};
+use crate::error::{Kind, RouterError};
+use crate::extract::Endpoint;
+
+/// How the request body is framed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BodyFraming {
+    None,
+    Length(u64),
+    Chunked,
+}
+
+/// What the proxy needs from a request head.
+#[derive(Clone, Debug)]
+pub struct RequestHead {
+    /// Bytes the head takes in the buffer, final CRLF included.
+    pub len: usize,
+    pub method_is_head: bool,
+    pub body: BodyFraming,
+    /// The client wants the connection kept open after the response.
+    pub keep_alive: bool,
+    pub expect_continue: bool,
+    /// `x-session-id`, hashed.
+    pub session: Option<u64>,
+    /// Set when the path is one whose body carries a prompt.
+    pub endpoint: Option<Endpoint>,
+    /// The request line's target, for logs.
+    pub path: String,
+}
+
+/// Parses the head at the start of `buf`. `Ok(None)`: incomplete, read more.
+/// The head to forward is written to `forward` (cleared first) without its
+/// final CRLF: the caller appends `content-length` and the blank line.
+pub fn parse(
+    buf: &[u8],
+    max_header_bytes: usize,
+    forward: &mut Vec<u8>,
+) -> Result<Option<RequestHead>, RouterError> {
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    let len = match req.parse(buf) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => {
+            if buf.len() > max_header_bytes {
+                return Err(too_large(max_header_bytes));
+            }
+            return Ok(None);
+        }
+        Err(httparse::Error::TooManyHeaders) => {
+            return Err(RouterError::new(
+                Kind::HeadersTooLarge,
+                format!("request has more than {MAX_HEADERS} headers"),
+            ));
+        }
+        Err(e) => {
+            return Err(RouterError::new(
+                Kind::BadRequest,
+                format!("malformed request head: {e}"),
+            ));
+        }
+    };
+    if len > max_header_bytes {
+        return Err(too_large(max_header_bytes));
+    }
+    let method = req.method.unwrap_or("");
+    let path = req.path.unwrap_or("/");
+    let version = req.version.unwrap_or(1);
+
+    let mut content_length: Option<u64> = None;
+    let mut chunked = false;
+    let mut transfer_encoding = false;
+    let mut conn_close = false;
+    let mut conn_keep_alive = false;
+    let mut expect_continue = false;
+    let mut session = None;
+
+    forward.clear();
+    forward.extend_from_slice(method.as_bytes());
+    forward.push(b' ');
+    forward.extend_from_slice(path.as_bytes());
+    forward.extend_from_slice(b" HTTP/1.1\r\n");
+    for h in req.headers.iter() {
+        let name = h.name;
+        if name.eq_ignore_ascii_case("content-length") {
+            let v = parse_length(h.value)?;
+            if content_length.is_some_and(|c| c != v) {
+                return Err(RouterError::new(
+                    Kind::BadRequest,
+                    "conflicting Content-Length headers",
+                ));
+            }
+            content_length = Some(v);
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            transfer_encoding = true;
+            let v = h.value.trim_ascii();
+            if v.eq_ignore_ascii_case(b"chunked") && !chunked {
+                chunked = true;
+            } else {
+                return Err(RouterError::new(
+                    Kind::NotImplemented,
+                    format!(
+                        "transfer coding {:?} is not supported (only \"chunked\")",
+                        String::from_utf8_lossy(v)
+                    ),
+                ));
+            }
+        } else if name.eq_ignore_ascii_case("connection") {
+            conn_close |= has_token(h.value, "close");
+            conn_keep_alive |= has_token(h.value, "keep-alive");
+        } else if name.eq_ignore_ascii_case("expect") {
+            if h.value.trim_ascii().eq_ignore_ascii_case(b"100-continue") {
+                expect_continue = true;
+            }
+        } else if name.eq_ignore_ascii_case("x-session-id") {
+            session = Some(xxh3_64(h.value));
+        }
+        if !is_hop_by_hop(name) {
+            forward.extend_from_slice(name.as_bytes());
+            forward.extend_from_slice(b": ");
+            forward.extend_from_slice(h.value);
+            forward.extend_from_slice(b"\r\n");
+        }
+    }
+    if transfer_encoding && content_length.is_some() {
+        return Err(RouterError::new(
+            Kind::BadRequest,
+            "request has both Content-Length and Transfer-Encoding",
+        ));
+    }
+    if transfer_encoding && version == 0 {
+        return Err(RouterError::new(
+            Kind::BadRequest,
+            "Transfer-Encoding in an HTTP/1.0 request",
+        ));
+    }
+    let body = match (chunked, content_length) {
+        (true, _) => BodyFraming::Chunked,
+        (false, Some(0)) | (false, None) => BodyFraming::None,
+        (false, Some(n)) => BodyFraming::Length(n),
+    };
+    let keep_alive = if version == 0 {
+        conn_keep_alive && !conn_close
+    } else {
+        !conn_close
+    };
+    Ok(Some(RequestHead {
+        len,
+        method_is_head: method == "HEAD",
+        body,
+        keep_alive,
+        expect_continue,
+        session,
+        endpoint: Endpoint::from_path(method, path),
+        path: path.to_owned(),
+    }))
+}
+
+fn parse_length(v: &[u8]) -> Result<u64, RouterError> {
+    let v = v.trim_ascii();
+    if v.is_empty() || v.len() > 19 || !v.iter().all(u8::is_ascii_digit) {
+        return Err(RouterError::new(
+            Kind::BadRequest,
+            format!("invalid Content-Length {:?}", String::from_utf8_lossy(v)),
+        ));
+    }
+    Ok(v.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
+}
+
+fn too_large(max: usize) -> RouterError {
+    RouterError::new(
+        Kind::HeadersTooLarge,
+        format!("request head is over the {max}-byte limit"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(raw: &str) -> Result<Option<RequestHead>, RouterError> {
+        let mut fwd = Vec::new();
+        parse(raw.as_bytes(), 8192, &mut fwd)
+    }
+
+    #[test]
+    fn forwards_end_to_end_headers_only() {
+        let mut fwd = Vec::new();
+        let raw = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\nExpect: 100-continue\r\nContent-Length: 2\r\nX-Session-Id: s1\r\n\r\n{}";
+        let h = parse(raw.as_bytes(), 8192, &mut fwd).unwrap().unwrap();
+        let fwd = String::from_utf8(fwd).unwrap();
+        assert_eq!(
+            fwd,
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Session-Id: s1\r\n"
+        );
+        assert_eq!(h.body, BodyFraming::Length(2));
+        assert!(h.expect_continue && h.keep_alive && h.session.is_some());
+        assert_eq!(h.endpoint, Some(Endpoint::Chat));
+        assert_eq!(h.len, raw.len() - 2);
+    }
+
+    #[test]
+    fn incomplete_heads_wait_and_oversized_heads_are_431() {
+        assert!(p("GET / HTTP/1.1\r\nHost: x\r\n").unwrap().is_none());
+        let big = format!("GET / HTTP/1.1\r\nX: {}\r\n", "a".repeat(9000));
+        assert_eq!(p(&big).unwrap_err().status(), 431);
+    }
+
+    #[test]
+    fn smuggling_shapes_are_refused() {
+        let cases = [
+            (
+                "POST / HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",
+                400,
+            ),
+            (
+                "POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n",
+                400,
+            ),
+            ("POST / HTTP/1.1\r\nContent-Length: +3\r\n\r\n", 400),
+            ("POST / HTTP/1.1\r\nContent-Length: 3, 3\r\n\r\n", 400),
+            (
+                "POST / HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
+                501,
+            ),
+            (
+                "POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
+                501,
+            ),
+            ("POST / HTTP/1.1\r\nX-A: 1\r\n folded\r\n\r\n", 400),
+            ("POST / HTTP/1.1\r\nX-A: 1\rX-B: 2\r\n\r\n", 400),
+            ("POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
+            ("POST / HTTP/1.1\r\nBad Header: 1\r\n\r\n", 400),
+        ];
+        for (raw, status) in cases {
+            assert_eq!(p(raw).unwrap_err().status(), status, "{raw:?}");
+        }
+    }
+
+    #[test]
+    fn keep_alive_defaults_by_version() {
+        assert!(p("GET / HTTP/1.1\r\n\r\n").unwrap().unwrap().keep_alive);
+        assert!(
+            !p("GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
+                .unwrap()
+                .unwrap()
+                .keep_alive
+        );
+        assert!(!p("GET / HTTP/1.0\r\n\r\n").unwrap().unwrap().keep_alive);
+        assert!(
+            p("GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+                .unwrap()
+                .unwrap()
+                .keep_alive
+        );
+    }
+
+    #[test]
+    fn identical_duplicate_lengths_are_one_length() {
+        let h = p("POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(h.body, BodyFraming::Length(3));
+    }
+}

@@ -1,0 +1,303 @@
+//! The prefix index: which backend holds which prefix block.
+//!
+//! One table shared by every worker thread. Readers take no lock: a slot is
+//! three atomics (block hash, owner bitmask, referenced bitmask). Writers
+//! serialise per backend on a small mutex that guards that backend's
+//! eviction ring. Each backend tracks at most its KV capacity in blocks and
+//! forgets its least recently used blocks first (CLOCK, an approximation of
+//! LRU: a block touched since it was queued gets a second chance), so the
+//! index forgets roughly what the engine itself evicts.
+//!
+//! Races between writers can leave a stale owner bit for a moment: the index
+//! is a routing hint, never a source of truth, so a wrong hint costs at most
+//! one cache miss.
+//!
+//! Memory: 24 bytes a slot, slots = 4/3 x the sum of capacities, plus 8
+//! bytes a ring entry: 24 * 4/3 + 8 = 40 bytes per tracked block when every
+//! backend is full (`memory_per_tracked_block` in the tests measures it).
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+
+/// The most backends the index can tell apart (one bit each in a slot).
+pub const MAX_BACKENDS: usize = 64;
+
+/// Slots probed for a key, starting at its home slot. 8 slots of 24 bytes are
+/// three cache lines; past them a key is not found and an insert evicts.
+const PROBE: usize = 8;
+
+struct Slot {
+    key: AtomicU64,
+    owners: AtomicU64,
+    referenced: AtomicU64,
+}
+
+/// One backend's blocks in the order they were first tracked.
+#[derive(Default)]
+struct Ring {
+    blocks: VecDeque<u64>,
+    capacity: usize,
+}
+
+pub struct PrefixIndex {
+    slots: Box<[Slot]>,
+    rings: Box<[Mutex<Ring>]>,
+    evictions: AtomicU64,
+    tracked: AtomicUsize,
+}
+
+/// For each backend, how many leading blocks of a request it holds.
+pub type Matches = [u32; MAX_BACKENDS];
+
+impl PrefixIndex {
+    /// An index sized for `total_capacity` tracked blocks over all backends.
+    pub fn new(total_capacity: usize) -> Self {
+        let n = total_capacity.max(1024) * 4 / 3;
+        let slots = (0..n)
+            .map(|_| Slot {
+                key: AtomicU64::new(0),
+                owners: AtomicU64::new(0),
+                referenced: AtomicU64::new(0),
+            })
+            .collect();
+        let rings = (0..MAX_BACKENDS)
+            .map(|_| Mutex::new(Ring::default()))
+            .collect();
+        PrefixIndex {
+            slots,
+            rings,
+            evictions: AtomicU64::new(0),
+            tracked: AtomicUsize::new(0),
+        }
+    }
+
+    /// Sets how many blocks `backend` may hold; evicts down to it at once.
+    pub fn set_capacity(&self, backend: usize, capacity: usize) {
+        let mut ring = self.rings[backend]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        ring.capacity = capacity;
+        let want = capacity.min(1 << 24).saturating_sub(ring.blocks.len());
+        ring.blocks.reserve_exact(want);
+        self.evict_over(backend, &mut ring);
+    }
+
+    /// Writes into `out` how many leading blocks of `hashes` each backend
+    /// holds, for the backends in `candidates` (a bitmask); returns the mask
+    /// of backends that hold at least one block.
+    pub fn longest_matches(&self, hashes: &[u64], candidates: u64, out: &mut Matches) -> u64 {
+        let mut alive = candidates;
+        let mut any = 0;
+        for (i, &h) in hashes.iter().enumerate() {
+            let owners = self.find(h).map_or(0, |s| s.owners.load(Relaxed));
+            let dropped = alive & !owners;
+            for b in bits(dropped) {
+                out[b] = i as u32;
+            }
+            alive &= owners;
+            if i == 0 {
+                any = alive;
+            }
+            if alive == 0 {
+                return any;
+            }
+        }
+        for b in bits(alive) {
+            out[b] = hashes.len() as u32;
+        }
+        any
+    }
+
+    /// Records that `backend` now holds every block of `hashes` (it was sent
+    /// the prompt) and touches blocks it already held.
+    pub fn insert(&self, backend: usize, hashes: &[u64]) {
+        let bit = 1u64 << backend;
+        // The common case, a prompt the backend already holds, takes no lock.
+        let mut first_new = hashes.len();
+        for (i, &h) in hashes.iter().enumerate() {
+            match self.find(h) {
+                Some(s) if s.owners.load(Relaxed) & bit != 0 => {
+                    if s.referenced.load(Relaxed) & bit == 0 {
+                        s.referenced.fetch_or(bit, Relaxed);
+                    }
+                }
+                _ => {
+                    first_new = i;
+                    break;
+                }
+            }
+        }
+        if first_new == hashes.len() {
+            return;
+        }
+        let mut ring = self.rings[backend]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if ring.capacity == 0 {
+            return;
+        }
+        for &h in &hashes[first_new..] {
+            let slot = self.find_or_claim(h);
+            let prev = slot.owners.fetch_or(bit, Relaxed);
+            if prev & bit == 0 {
+                ring.blocks.push_back(h);
+                self.tracked.fetch_add(1, Relaxed);
+            } else {
+                slot.referenced.fetch_or(bit, Relaxed);
+            }
+        }
+        self.evict_over(backend, &mut ring);
+    }
+
+    /// Forgets everything `backend` holds (removed, ejected, or restarted).
+    pub fn clear_backend(&self, backend: usize) {
+        let mut ring = self.rings[backend]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let bit = 1u64 << backend;
+        while let Some(h) = ring.blocks.pop_front() {
+            self.tracked.fetch_sub(1, Relaxed);
+            if let Some(s) = self.find(h) {
+                self.drop_owner(s, h, bit);
+            }
+        }
+    }
+
+    /// Blocks tracked for `backend`.
+    pub fn len(&self, backend: usize) -> usize {
+        self.rings[backend]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .blocks
+            .len()
+    }
+
+    /// Blocks tracked over all backends.
+    pub fn total_tracked(&self) -> usize {
+        self.tracked.load(Relaxed)
+    }
+
+    /// Blocks forgotten to stay within capacity, since start.
+    pub fn evictions(&self) -> u64 {
+        self.evictions.load(Relaxed)
+    }
+
+    /// Bytes held by the table and the rings.
+    pub fn memory_bytes(&self) -> usize {
+        let rings: usize = self
+            .rings
+            .iter()
+            .map(|r| {
+                r.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .blocks
+                    .capacity()
+                    * 8
+            })
+            .sum();
+        self.slots.len() * std::mem::size_of::<Slot>() + rings
+    }
+
+    fn home(&self, h: u64) -> usize {
+        // Multiply-shift maps the hash onto any table size without a division.
+        ((u128::from(h) * self.slots.len() as u128) >> 64) as usize
+    }
+
+    fn at(&self, home: usize, i: usize) -> &Slot {
+        let mut j = home + i;
+        if j >= self.slots.len() {
+            j -= self.slots.len();
+        }
+        &self.slots[j]
+    }
+
+    fn find(&self, h: u64) -> Option<&Slot> {
+        let home = self.home(h);
+        (0..PROBE)
+            .map(|i| self.at(home, i))
+            .find(|s| s.key.load(Relaxed) == h)
+    }
+
+    /// The slot holding `h`, claiming an empty one or, when all probed slots
+    /// are taken, evicting the one with the fewest owners.
+    fn find_or_claim(&self, h: u64) -> &Slot {
+        if let Some(s) = self.find(h) {
+            return s;
+        }
+        let home = self.home(h);
+        let mut victim = self.at(home, 0);
+        let mut victim_owners = u32::MAX;
+        for i in 0..PROBE {
+            let s = self.at(home, i);
+            let key = s.key.load(Relaxed);
+            if key == 0 {
+                if s.key.compare_exchange(0, h, Relaxed, Relaxed).is_ok() {
+                    s.owners.store(0, Relaxed);
+                    s.referenced.store(0, Relaxed);
+                    return s;
+                }
+                continue;
+            }
+            let owners = s.owners.load(Relaxed).count_ones();
+            if owners < victim_owners {
+                victim = s;
+                victim_owners = owners;
+            }
+        }
+        // Displace the victim: its owners' rings keep its hash, and drop it
+        // when it reaches their front (they find no slot for it).
+        self.evictions.fetch_add(u64::from(victim_owners), Relaxed);
+        victim.key.store(h, Relaxed);
+        victim.owners.store(0, Relaxed);
+        victim.referenced.store(0, Relaxed);
+        victim
+    }
+
+    fn drop_owner(&self, s: &Slot, h: u64, bit: u64) {
+        let left = s.owners.fetch_and(!bit, Relaxed) & !bit;
+        s.referenced.fetch_and(!bit, Relaxed);
+        if left == 0 {
+            let _ = s.key.compare_exchange(h, 0, Relaxed, Relaxed);
+        }
+    }
+
+    fn evict_over(&self, backend: usize, ring: &mut Ring) {
+        let bit = 1u64 << backend;
+        // Each block gets at most one second chance per sweep; past that
+        // budget blocks are dropped whatever their bit says, so the loop ends
+        // and the capacity holds even while readers keep touching blocks.
+        let mut second_chances = ring.blocks.len();
+        while ring.blocks.len() > ring.capacity {
+            let Some(h) = ring.blocks.pop_front() else {
+                break;
+            };
+            if let Some(s) = self.find(h).filter(|s| s.owners.load(Relaxed) & bit != 0) {
+                if second_chances > 0 && s.referenced.fetch_and(!bit, Relaxed) & bit != 0 {
+                    second_chances -= 1;
+                    ring.blocks.push_back(h);
+                    continue;
+                }
+                self.drop_owner(s, h, bit);
+                self.evictions.fetch_add(1, Relaxed);
+            }
+            // Else displaced from the table already: the entry was stale.
+            self.tracked.fetch_sub(1, Relaxed);
+        }
+    }
+}
+
+/// The indices of the set bits of `mask`, lowest first.
+pub fn bits(mut mask: u64) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        if mask == 0 {
+            return None;
+        }
+        let b = mask.trailing_zeros() as usize;
+        mask &= mask - 1;
+        Some(b)
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,103 @@
+use super::*;
+use proptest::prelude::*;
+
+/// Block hashes as the hasher makes them: uniformly spread, never 0.
+fn chain(start: u64, n: usize) -> Vec<u64> {
+    (0..n as u64)
+        .map(|i| crate::select::mix(start.wrapping_mul(1_000_003).wrapping_add(i)) | 1)
+        .collect()
+}
+
+#[test]
+fn longest_match_per_backend() {
+    let idx = PrefixIndex::new(10_000);
+    for b in 0..3 {
+        idx.set_capacity(b, 1000);
+    }
+    let req = chain(1, 10);
+    idx.insert(0, &req[..4]);
+    idx.insert(1, &req[..10]);
+    let mut m = [0; MAX_BACKENDS];
+    let any = idx.longest_matches(&req, 0b111, &mut m);
+    assert_eq!(&m[..3], &[4, 10, 0]);
+    assert_eq!(any, 0b011);
+}
+
+#[test]
+fn capacity_is_held_and_oldest_blocks_go_first() {
+    let idx = PrefixIndex::new(10_000);
+    idx.set_capacity(0, 100);
+    let old = chain(1, 60);
+    let new = chain(2, 60);
+    idx.insert(0, &old);
+    idx.insert(0, &new);
+    assert_eq!(idx.len(0), 100);
+    let mut m = [0; MAX_BACKENDS];
+    idx.longest_matches(&new, 1, &mut m);
+    assert_eq!(m[0], 60, "the newest prompt is kept whole");
+    idx.longest_matches(&old, 1, &mut m);
+    assert_eq!(m[0], 0, "the oldest prompt lost its first blocks");
+}
+
+#[test]
+fn touched_blocks_survive_eviction() {
+    let idx = PrefixIndex::new(10_000);
+    idx.set_capacity(0, 100);
+    let hot = chain(1, 40);
+    idx.insert(0, &hot);
+    idx.insert(0, &chain(2, 40));
+    idx.insert(0, &hot); // touch
+    idx.insert(0, &chain(3, 40)); // over capacity by 20
+    let mut m = [0; MAX_BACKENDS];
+    idx.longest_matches(&hot, 1, &mut m);
+    assert_eq!(m[0], 40);
+}
+
+#[test]
+fn clearing_a_backend_forgets_only_it() {
+    let idx = PrefixIndex::new(10_000);
+    idx.set_capacity(0, 100);
+    idx.set_capacity(1, 100);
+    let req = chain(5, 20);
+    idx.insert(0, &req);
+    idx.insert(1, &req);
+    idx.clear_backend(0);
+    let mut m = [0; MAX_BACKENDS];
+    idx.longest_matches(&req, 0b11, &mut m);
+    assert_eq!(&m[..2], &[0, 20]);
+    assert_eq!(idx.len(0), 0);
+}
+
+#[test]
+fn memory_per_tracked_block() {
+    let cap = 100_000;
+    let idx = PrefixIndex::new(4 * cap);
+    for b in 0..4 {
+        idx.set_capacity(b, cap);
+        idx.insert(b, &chain(b as u64 + 10, cap));
+    }
+    let per_block = idx.memory_bytes() as f64 / idx.total_tracked() as f64;
+    println!("index memory: {per_block:.1} bytes per tracked block");
+    assert!(per_block <= 64.0, "{per_block} bytes per tracked block");
+}
+
+proptest! {
+    /// Whatever is inserted, no backend ever tracks more than its capacity,
+    /// and every match reported is a real prefix of what it was sent.
+    #[test]
+    fn capacity_bound_always_holds(ops in proptest::collection::vec((0usize..3, 0u64..20, 1usize..40), 1..60),
+                                   caps in proptest::collection::vec(0usize..200, 3)) {
+        let idx = PrefixIndex::new(2048);
+        for (b, &c) in caps.iter().enumerate() {
+            idx.set_capacity(b, c);
+        }
+        for (b, seed, n) in ops {
+            let req = chain(seed, n);
+            idx.insert(b, &req);
+            prop_assert!(idx.len(b) <= caps[b]);
+            let mut m = [0; MAX_BACKENDS];
+            idx.longest_matches(&req, 0b111, &mut m);
+            prop_assert!(m[b] as usize <= n);
+        }
+    }
+}

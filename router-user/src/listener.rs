@@ -1,0 +1,145 @@
+//! Worker threads: one io_uring event loop per core, each with its own
+//! SO_REUSEPORT listener on the traffic address, so the kernel spreads
+//! connections over the workers and no two workers share a socket.
+
+use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::thread::JoinHandle;
+
+use anyhow::Context;
+use monoio::net::{ListenerOpts, TcpListener};
+use tracing::{debug, error, warn};
+
+use crate::error::{Kind, RouterError};
+use crate::io::write_all;
+use crate::proxy::{self, Worker};
+use crate::router::Router;
+
+/// Submission queue entries per worker ring.
+const RING_ENTRIES: u32 = 4096;
+/// Pending connections the kernel queues per listener.
+const BACKLOG: i32 = 4096;
+/// How often idle pooled backend connections are swept.
+const POOL_SWEEP_SECS: u64 = 5;
+
+type Runtime = monoio::Runtime<monoio::time::TimeDriver<monoio::IoUringDriver>>;
+
+fn runtime() -> std::io::Result<Runtime> {
+    monoio::RuntimeBuilder::<monoio::IoUringDriver>::new()
+        .with_entries(RING_ENTRIES)
+        .enable_timer()
+        .build()
+}
+
+/// Fails with a clear message when io_uring cannot be used here.
+pub fn check_io_uring() -> anyhow::Result<()> {
+    runtime().map(drop).map_err(|e| {
+        let disabled = std::fs::read_to_string("/proc/sys/kernel/io_uring_disabled").unwrap_or_default();
+        anyhow::anyhow!(
+            "io_uring is not available ({e}); prefix-router needs Linux 5.11+ with io_uring enabled \
+             (kernel.io_uring_disabled is {:?}; set it to 0), and a memlock limit that allows the rings",
+            disabled.trim()
+        )
+    })
+}
+
+/// Binds every worker's listener (so bind errors surface at once), then runs
+/// the workers. Returns their handles.
+pub fn start(router: Arc<Router>) -> anyhow::Result<Vec<JoinHandle<()>>> {
+    check_io_uring()?;
+    let cfg = router.config.load_full();
+    let n = cfg.worker_count();
+    let mut handles = Vec::with_capacity(n);
+    let (tx, rx) = std::sync::mpsc::channel::<anyhow::Result<()>>();
+    for i in 0..n {
+        let router = router.clone();
+        let tx = tx.clone();
+        let listen = cfg.listen;
+        let h = std::thread::Builder::new()
+            .name(format!("worker-{i}"))
+            .spawn(move || {
+                let mut rt = match runtime() {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = tx.send(Err(anyhow::anyhow!(
+                            "worker {i}: building the io_uring runtime: {e}"
+                        )));
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    let opts = ListenerOpts::new().reuse_port(true).backlog(BACKLOG);
+                    let listener = match TcpListener::bind_with_config(listen, &opts)
+                        .with_context(|| format!("binding {listen}"))
+                    {
+                        Ok(l) => l,
+                        Err(e) => {
+                            let _ = tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = tx.send(Ok(()));
+                    drop(tx);
+                    accept_loop(Rc::new(Worker::new(router)), listener).await;
+                });
+            })?;
+        handles.push(h);
+    }
+    drop(tx);
+    for _ in 0..n {
+        rx.recv().context("a worker died while starting")??;
+    }
+    Ok(handles)
+}
+
+async fn accept_loop(worker: Rc<Worker>, listener: TcpListener) {
+    let sweeper = worker.clone();
+    monoio::spawn(async move {
+        loop {
+            monoio::time::sleep(std::time::Duration::from_secs(POOL_SWEEP_SECS)).await;
+            let cfg = sweeper.router.config.load();
+            let fleet = sweeper.router.fleet.load();
+            sweeper.pool.sweep(
+                crate::config::ms(cfg.timeouts.backend_pool_idle_ms),
+                |slot, b| fleet.by_slot(slot).is_some_and(|f| Arc::ptr_eq(f, b)),
+            );
+        }
+    });
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                // EMFILE and friends: back off instead of spinning.
+                error!(error = %e, "accept failed");
+                monoio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let router = &worker.router;
+        let _ = stream.set_nodelay(true);
+        let max = router.config.load().limits.max_client_connections;
+        if router.shutting_down() || router.client_conns.load(Relaxed) >= max {
+            let overloaded = !router.shutting_down();
+            monoio::spawn(async move {
+                let mut stream = stream;
+                if overloaded {
+                    warn!(%peer, max, "refusing a connection: limits.max_client_connections reached");
+                }
+                let e = RouterError::new(
+                    Kind::Unavailable,
+                    "the router is at its connection limit or shutting down; retry shortly",
+                );
+                let _ = write_all(&mut stream, &mut e.to_response(true, Some(1))).await;
+            });
+            continue;
+        }
+        router.client_conns.fetch_add(1, Relaxed);
+        let w = worker.clone();
+        monoio::spawn(async move {
+            debug!(%peer, "client connected");
+            proxy::serve(w.clone(), stream, peer).await;
+            w.router.client_conns.fetch_sub(1, Relaxed);
+        });
+    }
+}

@@ -1,0 +1,174 @@
+//! Counters the data path bumps (plain atomics and lock-light histograms) and
+//! their Prometheus rendering for the admin listener.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Duration;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::backend::Fleet;
+use crate::index::{MAX_BACKENDS, PrefixIndex};
+use crate::router::Routed;
+use crate::select::Decision;
+
+/// Status classes counted per backend: 2xx, 3xx, 4xx, 5xx, other.
+const CLASSES: [&str; 5] = ["2xx", "3xx", "4xx", "5xx", "other"];
+
+pub struct Metrics {
+    responses: Box<[[AtomicU64; 5]]>,
+    decisions: [AtomicU64; 4],
+    matched_blocks: Histogram,
+    routing_seconds: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            responses: (0..MAX_BACKENDS).map(|_| Default::default()).collect(),
+            decisions: Default::default(),
+            matched_blocks: Histogram::new([
+                0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0,
+            ]),
+            routing_seconds: Histogram::new([5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3]),
+        }
+    }
+}
+
+impl Metrics {
+    /// Called once per routed request: what was decided and how long the
+    /// router took from the request being read to the decision.
+    pub fn observe_routing(&self, routed: &Routed, took: Duration) {
+        let d = match routed.choice.decision {
+            Decision::Warm => 0,
+            Decision::Cold => 1,
+            Decision::Bounded => 2,
+            Decision::Baseline => 3,
+        };
+        self.decisions[d].fetch_add(1, Relaxed);
+        self.matched_blocks
+            .observe(f64::from(routed.choice.matched_blocks));
+        self.routing_seconds.observe(took.as_secs_f64());
+    }
+
+    pub fn observe_response(&self, slot: usize, status: u16) {
+        let class = match status {
+            200..=299 => 0,
+            300..=399 => 1,
+            400..=499 => 2,
+            500..=599 => 3,
+            _ => 4,
+        };
+        self.responses[slot][class].fetch_add(1, Relaxed);
+    }
+
+    /// Prometheus text exposition of everything the router knows.
+    pub fn render(&self, fleet: &Fleet, index: &PrefixIndex, policy: &str) -> String {
+        let mut reg = Registry::with_prefix("prefix_router");
+        let requests = Family::<Vec<(String, String)>, Gauge>::default();
+        let in_flight = Family::<Vec<(String, String)>, Gauge>::default();
+        let healthy = Family::<Vec<(String, String)>, Gauge>::default();
+        let draining = Family::<Vec<(String, String)>, Gauge>::default();
+        let open_conns = Family::<Vec<(String, String)>, Gauge>::default();
+        let external = Family::<Vec<(String, String)>, Gauge>::default();
+        let index_blocks = Family::<Vec<(String, String)>, Gauge>::default();
+        for b in &fleet.backends {
+            let l = vec![("backend".to_owned(), b.url.clone())];
+            for (i, class) in CLASSES.iter().enumerate() {
+                let v = self.responses[b.slot][i].load(Relaxed);
+                if v > 0 {
+                    let mut l = l.clone();
+                    l.push(("status".to_owned(), (*class).to_owned()));
+                    l.push(("policy".to_owned(), policy.to_owned()));
+                    requests.get_or_create(&l).set(v as i64);
+                }
+            }
+            let s = &b.state;
+            in_flight
+                .get_or_create(&l)
+                .set(i64::from(s.in_flight.load(Relaxed)));
+            healthy
+                .get_or_create(&l)
+                .set(i64::from(s.healthy.load(Relaxed)));
+            draining
+                .get_or_create(&l)
+                .set(i64::from(s.draining.load(Relaxed)));
+            open_conns
+                .get_or_create(&l)
+                .set(i64::from(s.open_conns.load(Relaxed)));
+            external
+                .get_or_create(&l)
+                .set(i64::from(s.external_conns.load(Relaxed)));
+            index_blocks.get_or_create(&l).set(index.len(b.slot) as i64);
+        }
+        reg.register(
+            "responses",
+            "Responses relayed, by backend, status class and policy (counter)",
+            requests,
+        );
+        reg.register(
+            "backend_in_flight",
+            "Requests in flight per backend",
+            in_flight,
+        );
+        reg.register(
+            "backend_healthy",
+            "1 when the backend passes health checks",
+            healthy,
+        );
+        reg.register(
+            "backend_draining",
+            "1 when the backend is drained by an operator",
+            draining,
+        );
+        reg.register(
+            "backend_open_connections",
+            "This router's connections to the backend",
+            open_conns,
+        );
+        reg.register(
+            "backend_external_connections",
+            "Connections to the backend seen by XDP beyond this router's",
+            external,
+        );
+        reg.register(
+            "index_blocks",
+            "Prefix blocks tracked per backend",
+            index_blocks,
+        );
+        let decisions = Family::<Vec<(String, String)>, Gauge>::default();
+        for (i, name) in ["warm", "cold", "bounded", "baseline"].iter().enumerate() {
+            decisions
+                .get_or_create(&vec![("decision".to_owned(), (*name).to_owned())])
+                .set(self.decisions[i].load(Relaxed) as i64);
+        }
+        reg.register(
+            "routing_decisions",
+            "Routing decisions by kind (counter)",
+            decisions,
+        );
+        let evictions = Gauge::<i64>::default();
+        evictions.set(index.evictions() as i64);
+        reg.register(
+            "index_evictions",
+            "Blocks the index forgot to stay within capacity (counter)",
+            evictions,
+        );
+        reg.register(
+            "matched_blocks",
+            "Prompt blocks the chosen backend already held",
+            self.matched_blocks.clone(),
+        );
+        reg.register(
+            "routing_seconds",
+            "Time from request read to routing decision",
+            self.routing_seconds.clone(),
+        );
+        let mut out = String::new();
+        let _ = encode(&mut out, &reg);
+        out
+    }
+}

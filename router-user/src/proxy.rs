@@ -1,0 +1,355 @@
+//! One client connection: read a request, route it, forward it, stream the
+//! answer back; repeat while the client keeps the connection alive. Requests
+//! on one connection are routed one by one (pipelined ones in order).
+
+use std::cell::RefCell;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Instant;
+
+use monoio::net::TcpStream;
+use tracing::{info, warn};
+
+use crate::config::{Config, ms};
+use crate::error::{Kind, RouterError, Side};
+use crate::extract::Extractor;
+use crate::forward::{self, Body};
+use crate::http::chunked::ChunkedDecoder;
+use crate::http::request::{self, BodyFraming, RequestHead};
+use crate::io::{Read, read_more, write_all};
+use crate::pool::Pool;
+use crate::router::{RouteRequest, RouteScratch, Router};
+
+/// Buffers that grew past this for one large request are given back after it,
+/// so idle connections stay small.
+const KEEP_BUFFER: usize = 64 * 1024;
+
+/// What one worker thread owns.
+pub struct Worker {
+    pub router: Arc<Router>,
+    pub pool: Pool,
+    scratch: RefCell<(Extractor, RouteScratch)>,
+}
+
+impl Worker {
+    pub fn new(router: Arc<Router>) -> Worker {
+        Worker {
+            router,
+            pool: Pool::default(),
+            scratch: RefCell::new(Default::default()),
+        }
+    }
+}
+
+/// A client connection's buffers, reused across its requests.
+pub struct ClientConn {
+    pub stream: TcpStream,
+    pub peer: SocketAddr,
+    /// Bytes received and not yet consumed (pipelined requests wait here).
+    pub buf: Vec<u8>,
+    /// Bytes of `buf` that belong to the current request (head and raw body).
+    consumed: usize,
+    /// Decoded chunked request body.
+    pub body: Vec<u8>,
+    /// What is sent to the backend: the head, and the body when small.
+    pub fwd: Vec<u8>,
+    /// The response head sent to the client.
+    pub out: Vec<u8>,
+    /// Response bytes read from the backend.
+    pub rbuf: Vec<u8>,
+    pub hashes: Vec<u64>,
+}
+
+/// Serves a client connection until it closes, errs or idles out.
+pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: SocketAddr) {
+    let mut c = ClientConn {
+        stream,
+        peer,
+        buf: Vec::with_capacity(8 * 1024),
+        consumed: 0,
+        body: Vec::new(),
+        fwd: Vec::with_capacity(1024),
+        out: Vec::with_capacity(1024),
+        rbuf: Vec::new(),
+        hashes: Vec::new(),
+    };
+    loop {
+        let cfg = worker.router.config.load_full();
+        match one_request(&worker, &cfg, &mut c).await {
+            Ok(true) if !worker.router.shutting_down() => shrink(&mut c),
+            Ok(_) => break,
+            Err(e) => {
+                if e.kind != Kind::Internal || !e.message.is_empty() {
+                    log_error(&e, &c.peer, "-");
+                    // After a framing error the rest of the stream cannot be trusted.
+                    let _ = write_all(&mut c.stream, &mut e.to_response(true, None)).await;
+                }
+                break;
+            }
+        }
+    }
+}
+
+/// Handles one request; `Ok(true)` when the connection may carry another.
+/// `Err` means the connection must close after the error is answered.
+async fn one_request(
+    worker: &Worker,
+    cfg: &Config,
+    c: &mut ClientConn,
+) -> Result<bool, RouterError> {
+    let Some(head) = read_head(cfg, c).await? else {
+        return Ok(false);
+    };
+    let started = Instant::now();
+    let body = match head.body {
+        BodyFraming::None => {
+            c.consumed = head.len;
+            Body::InBuf {
+                start: head.len,
+                end: head.len,
+            }
+        }
+        BodyFraming::Length(n) => read_length_body(cfg, c, &head, n).await?,
+        BodyFraming::Chunked => read_chunked_body(cfg, c, &head).await?,
+    };
+    let result = route_and_forward(worker, cfg, c, &head, body, started).await;
+    // Drop this request's bytes; keep any pipelined request behind them.
+    c.buf.drain(..c.consumed);
+    c.consumed = 0;
+    match result {
+        Ok(close) => Ok(head.keep_alive && !close),
+        Err(e) => {
+            log_error(&e, &c.peer, &head.path);
+            // The request was read whole, so the connection stays usable.
+            let retry_after = (e.kind == Kind::Unavailable).then_some(1);
+            let mut resp = e.to_response(!head.keep_alive, retry_after);
+            if write_all(&mut c.stream, &mut resp).await.is_err() {
+                return Ok(false);
+            }
+            Ok(head.keep_alive)
+        }
+    }
+}
+
+/// Extracts the prompt, routes, and forwards with retries. `Ok(true)` when
+/// the client connection must close (close-delimited response).
+async fn route_and_forward(
+    worker: &Worker,
+    cfg: &Config,
+    c: &mut ClientConn,
+    head: &RequestHead,
+    body: Body,
+    started: Instant,
+) -> Result<bool, RouterError> {
+    let router = &worker.router;
+    let routed = {
+        let mut scratch = worker.scratch.borrow_mut();
+        let (extractor, route_scratch) = &mut *scratch;
+        let body_bytes = match body {
+            Body::InBuf { start, end } => &c.buf[start..end],
+            Body::Decoded => &c.body[..],
+        };
+        let (seed, user, has_prompt) = match head.endpoint {
+            Some(ep) => {
+                let p = extractor.extract(ep, body_bytes, &mut route_scratch.canonical)?;
+                (p.seed, p.user, true)
+            }
+            None => (0, None, false),
+        };
+        let req = RouteRequest {
+            seed,
+            session: head.session.or(user),
+            has_prompt,
+        };
+        router.route(&req, route_scratch, &mut c.hashes)
+    };
+    router.metrics.observe_routing(&routed, started.elapsed());
+    if routed.choice.len == 0 {
+        return Err(RouterError::new(
+            Kind::Unavailable,
+            "no backend is up: every backend is unhealthy, draining or at its in-flight limit",
+        ));
+    }
+    forward::finish_request_head(c, head, body);
+    let attempts = cfg.retry.max_attempts.min(routed.choice.len);
+    let mut last = None;
+    for (attempt, pos) in routed.choice.iter().take(attempts).enumerate() {
+        let backend = routed.fleet.backends[pos].clone();
+        let matched = if attempt == 0 {
+            routed.choice.matched_blocks
+        } else {
+            0
+        };
+        match forward::forward(worker, cfg, c, head, body, &backend, &routed, matched).await {
+            Ok(close) => return Ok(close),
+            Err(forward::Failure::Retry(e)) => {
+                warn!(backend = %backend.url, attempt, error = %e.message, "retrying on another backend");
+                last = Some(e);
+            }
+            Err(forward::Failure::Answer(e)) => return Err(e),
+            Err(forward::Failure::Abort) => return Ok(true),
+        }
+    }
+    Err(last.unwrap_or_else(|| RouterError::new(Kind::BadGateway, "no backend could be reached")))
+}
+
+/// Reads until a whole head is in `c.buf`; `Ok(None)` when the client closed
+/// or idled out between requests.
+async fn read_head(cfg: &Config, c: &mut ClientConn) -> Result<Option<RequestHead>, RouterError> {
+    let mut first_byte_at = (!c.buf.is_empty()).then(Instant::now);
+    loop {
+        if !c.buf.is_empty() {
+            if let Some(head) = request::parse(&c.buf, cfg.limits.max_header_bytes, &mut c.fwd)? {
+                return Ok(Some(head));
+            }
+        }
+        let timeout = match first_byte_at {
+            None => ms(cfg.timeouts.client_idle_ms),
+            Some(t) => ms(cfg.timeouts.client_header_ms).saturating_sub(t.elapsed()),
+        };
+        match read_more(&mut c.stream, &mut c.buf, timeout).await {
+            Read::Data(_) => {
+                first_byte_at.get_or_insert_with(Instant::now);
+            }
+            Read::Eof | Read::Err(_) if c.buf.is_empty() => return Ok(None),
+            Read::TimedOut if first_byte_at.is_none() => return Ok(None),
+            Read::TimedOut => {
+                return Err(RouterError::new(
+                    Kind::ClientTimeout,
+                    format!(
+                        "request head not received within {} ms",
+                        cfg.timeouts.client_header_ms
+                    ),
+                ));
+            }
+            Read::Eof | Read::Err(_) => return Err(closed()),
+        }
+    }
+}
+
+async fn read_length_body(
+    cfg: &Config,
+    c: &mut ClientConn,
+    head: &RequestHead,
+    n: u64,
+) -> Result<Body, RouterError> {
+    let max = cfg.limits.max_body_bytes;
+    if n > max as u64 {
+        return Err(RouterError::new(
+            Kind::BodyTooLarge,
+            format!("request body is {n} bytes; the limit is {max} (limits.max_body_bytes)"),
+        ));
+    }
+    let end = head.len + n as usize;
+    if c.buf.len() < end {
+        if head.expect_continue {
+            let mut cont = b"HTTP/1.1 100 Continue\r\n\r\n".to_vec();
+            write_all(&mut c.stream, &mut cont)
+                .await
+                .map_err(|_| closed())?;
+        }
+        c.buf.reserve(end - c.buf.len());
+        let deadline = Instant::now() + ms(cfg.timeouts.client_body_ms);
+        while c.buf.len() < end {
+            match read_more(
+                &mut c.stream,
+                &mut c.buf,
+                deadline.saturating_duration_since(Instant::now()),
+            )
+            .await
+            {
+                Read::Data(_) => {}
+                Read::TimedOut => return Err(body_timeout(cfg)),
+                Read::Eof | Read::Err(_) => return Err(closed()),
+            }
+        }
+    }
+    c.consumed = end;
+    Ok(Body::InBuf {
+        start: head.len,
+        end,
+    })
+}
+
+async fn read_chunked_body(
+    cfg: &Config,
+    c: &mut ClientConn,
+    head: &RequestHead,
+) -> Result<Body, RouterError> {
+    let max = cfg.limits.max_body_bytes as u64;
+    let mut dec = ChunkedDecoder::new();
+    c.body.clear();
+    let mut pos = head.len;
+    let deadline = Instant::now() + ms(cfg.timeouts.client_body_ms);
+    let mut sent_continue = false;
+    loop {
+        pos += dec.feed(&c.buf[pos..], Some(&mut c.body))?;
+        if dec.decoded_len() > max {
+            return Err(RouterError::new(
+                Kind::BodyTooLarge,
+                format!("request body is over the limit of {max} bytes (limits.max_body_bytes)"),
+            ));
+        }
+        if dec.is_done() {
+            break;
+        }
+        if head.expect_continue && !sent_continue {
+            sent_continue = true;
+            let mut cont = b"HTTP/1.1 100 Continue\r\n\r\n".to_vec();
+            write_all(&mut c.stream, &mut cont)
+                .await
+                .map_err(|_| closed())?;
+        }
+        match read_more(
+            &mut c.stream,
+            &mut c.buf,
+            deadline.saturating_duration_since(Instant::now()),
+        )
+        .await
+        {
+            Read::Data(_) => {}
+            Read::TimedOut => return Err(body_timeout(cfg)),
+            Read::Eof | Read::Err(_) => return Err(closed()),
+        }
+    }
+    c.consumed = pos;
+    Ok(Body::Decoded)
+}
+
+fn body_timeout(cfg: &Config) -> RouterError {
+    RouterError::new(
+        Kind::ClientTimeout,
+        format!(
+            "request body not received within {} ms",
+            cfg.timeouts.client_body_ms
+        ),
+    )
+}
+
+/// The client went away: nothing to answer, nothing to log at warn.
+fn closed() -> RouterError {
+    RouterError::new(Kind::Internal, "")
+}
+
+fn shrink(c: &mut ClientConn) {
+    for b in [&mut c.buf, &mut c.body, &mut c.rbuf, &mut c.out, &mut c.fwd] {
+        if b.capacity() > KEEP_BUFFER && b.len() <= KEEP_BUFFER / 4 {
+            b.shrink_to(KEEP_BUFFER / 4);
+        }
+    }
+    if c.hashes.capacity() > KEEP_BUFFER / 8 {
+        c.hashes = Vec::new();
+    }
+}
+
+fn log_error(e: &RouterError, peer: &SocketAddr, path: &str) {
+    match e.kind.side() {
+        Side::Client => {
+            info!(%peer, path, status = e.status(), error = %e.message, "refused request")
+        }
+        Side::Backend | Side::Internal => {
+            warn!(%peer, path, status = e.status(), error = %e.message, "request failed")
+        }
+    }
+}

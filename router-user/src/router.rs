@@ -1,0 +1,162 @@
+//! The state every worker shares: configuration, fleet, prefix index, and the
+//! routing step that turns a request into a ranked choice of backends.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+
+use arc_swap::ArcSwap;
+
+use crate::backend::{Backend, Fleet};
+use crate::config::{Config, backend_addr};
+use crate::hash::{block_hashes, cold_key};
+use crate::index::{MAX_BACKENDS, Matches, PrefixIndex};
+use crate::metrics::Metrics;
+use crate::select::{self, BackendLoad, Choice, Policy, RouteInput};
+
+pub struct Router {
+    pub config: ArcSwap<Config>,
+    pub fleet: ArcSwap<Fleet>,
+    pub index: PrefixIndex,
+    pub metrics: Metrics,
+    /// Round-robin counter and random stream.
+    ticket: AtomicU64,
+    pub client_conns: AtomicUsize,
+    shutting_down: AtomicBool,
+}
+
+/// Scratch space for the synchronous routing step, reused by a worker.
+#[derive(Default)]
+pub struct RouteScratch {
+    /// The canonical prompt, written by the extractor.
+    pub canonical: Vec<u8>,
+    loads: Vec<BackendLoad>,
+    matches: Vec<u32>,
+}
+
+/// What routing decided for one request.
+pub struct Routed {
+    pub choice: Choice,
+    pub fleet: Arc<Fleet>,
+    /// Prompt blocks the first candidate must prefill.
+    pub uncached_blocks: u32,
+}
+
+/// What the request carries for routing.
+pub struct RouteRequest {
+    pub seed: u64,
+    pub session: Option<u64>,
+    /// False for requests without a prompt (e.g. `GET /v1/models`).
+    pub has_prompt: bool,
+}
+
+impl Router {
+    pub fn new(config: Config) -> anyhow::Result<Arc<Router>> {
+        config.validate()?;
+        let total: usize = config
+            .backends
+            .iter()
+            .map(|b| b.kv_blocks().unwrap_or(config.prefix.kv_blocks))
+            .sum();
+        let index = PrefixIndex::new(total);
+        let mut backends = Vec::new();
+        for (slot, b) in config.backends.iter().enumerate() {
+            let kv = b.kv_blocks().unwrap_or(config.prefix.kv_blocks);
+            backends.push(Arc::new(Backend::new(
+                slot,
+                b.url(),
+                backend_addr(b.url())?,
+                kv,
+            )));
+            index.set_capacity(slot, kv);
+        }
+        Ok(Arc::new(Router {
+            config: ArcSwap::from_pointee(config),
+            fleet: ArcSwap::from_pointee(Fleet { backends }),
+            index,
+            metrics: Metrics::default(),
+            ticket: AtomicU64::new(0),
+            client_conns: AtomicUsize::new(0),
+            shutting_down: AtomicBool::new(false),
+        }))
+    }
+
+    /// Hashes the canonical prompt in `scratch.canonical` into `hashes` and
+    /// ranks backends.
+    pub fn route(
+        &self,
+        req: &RouteRequest,
+        scratch: &mut RouteScratch,
+        hashes: &mut Vec<u64>,
+    ) -> Routed {
+        let cfg = self.config.load();
+        let fleet = self.fleet.load_full();
+        hashes.clear();
+        if req.has_prompt {
+            block_hashes(req.seed, &scratch.canonical, cfg.prefix.block_bytes, hashes);
+        }
+        let mut matches: Matches = [0; MAX_BACKENDS];
+        if cfg.policy == Policy::Prefix && !hashes.is_empty() {
+            self.index
+                .longest_matches(hashes, fleet.slot_mask(), &mut matches);
+        }
+        scratch.loads.clear();
+        scratch.matches.clear();
+        for b in &fleet.backends {
+            scratch
+                .loads
+                .push(b.load(cfg.limits.max_in_flight_per_backend));
+            scratch.matches.push(matches[b.slot]);
+        }
+        let input = RouteInput {
+            matches: &scratch.matches,
+            blocks: hashes.len() as u32,
+            cold_key: cold_key(
+                req.seed,
+                &scratch.canonical,
+                hashes,
+                cfg.prefix.cold_key_blocks,
+            ),
+            session_key: req.session,
+            ticket: self.ticket.fetch_add(1, Relaxed),
+        };
+        let policy = if req.has_prompt {
+            cfg.policy
+        } else {
+            Policy::LeastRequest
+        };
+        // Candidates are positions in `fleet.backends`.
+        let choice = select::select(policy, &input, &scratch.loads, &cfg.prefix.params());
+        let uncached_blocks = (hashes.len() as u32).saturating_sub(choice.matched_blocks);
+        Routed {
+            choice,
+            fleet,
+            uncached_blocks,
+        }
+    }
+
+    /// Stop taking new connections and requests (SIGTERM).
+    pub fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Relaxed);
+    }
+
+    pub fn shutting_down(&self) -> bool {
+        self.shutting_down.load(Relaxed)
+    }
+
+    /// Requests in flight over all backends.
+    pub fn in_flight(&self) -> u32 {
+        self.fleet
+            .load()
+            .backends
+            .iter()
+            .map(|b| b.state.in_flight.load(Relaxed))
+            .sum()
+    }
+
+    /// Records that `backend` was sent the prompt with these block hashes.
+    pub fn learn(&self, backend: &Backend, hashes: &[u64]) {
+        if !hashes.is_empty() && self.config.load().policy == Policy::Prefix {
+            self.index.insert(backend.slot, hashes);
+        }
+    }
+}

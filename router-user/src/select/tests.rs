@@ -1,0 +1,179 @@
+use super::*;
+use proptest::prelude::*;
+
+const P: PrefixParams = PrefixParams {
+    epsilon: 0.25,
+    slack: 2,
+    in_flight_cost_blocks: 2.0,
+    min_match_blocks: 1,
+};
+
+fn fleet(n: usize) -> Vec<BackendLoad> {
+    (0..n)
+        .map(|i| BackendLoad {
+            eligible: true,
+            id_hash: mix(i as u64 + 100),
+            ..Default::default()
+        })
+        .collect()
+}
+
+fn input(matches: &[u32], blocks: u32, key: u64) -> RouteInput<'_> {
+    RouteInput {
+        matches,
+        blocks,
+        cold_key: key,
+        session_key: None,
+        ticket: 0,
+    }
+}
+
+#[test]
+fn longest_prefix_wins_when_loads_are_equal() {
+    let loads = fleet(4);
+    let m = [0, 30, 5, 0];
+    let c = select(Policy::Prefix, &input(&m, 40, 1), &loads, &P);
+    assert_eq!(c.first(), Some(1));
+    assert_eq!(c.decision, Decision::Warm);
+    assert_eq!(c.matched_blocks, 30);
+}
+
+#[test]
+fn an_overloaded_holder_is_passed_over() {
+    let mut loads = fleet(4);
+    loads[1].in_flight = 20;
+    let m = [0, 30, 5, 0];
+    let c = select(Policy::Prefix, &input(&m, 40, 1), &loads, &P);
+    assert_ne!(c.first(), Some(1));
+    assert_eq!(c.decision, Decision::Bounded);
+}
+
+#[test]
+fn queued_prefill_weighs_against_a_short_match() {
+    let mut loads = fleet(2);
+    loads[0].queued_prefill_blocks = 500;
+    let m = [3, 0];
+    let c = select(Policy::Prefix, &input(&m, 10, 1), &loads, &P);
+    assert_eq!(c.first(), Some(1));
+}
+
+#[test]
+fn cold_prompts_with_the_same_key_land_together_and_spread_by_key() {
+    let loads = fleet(4);
+    let m = [0; 4];
+    let a = select(Policy::Prefix, &input(&m, 10, 42), &loads, &P);
+    let b = select(Policy::Prefix, &input(&m, 99, 42), &loads, &P);
+    assert_eq!(a.first(), b.first());
+    assert_eq!(a.decision, Decision::Cold);
+    let spread: std::collections::HashSet<_> = (0..64)
+        .map(|k| select(Policy::Prefix, &input(&m, 1, k), &loads, &P).first())
+        .collect();
+    assert_eq!(spread.len(), 4, "keys spread over every backend");
+}
+
+#[test]
+fn no_eligible_backend_gives_an_empty_choice() {
+    let mut loads = fleet(3);
+    for l in &mut loads {
+        l.eligible = false;
+    }
+    for policy in [
+        Policy::Prefix,
+        Policy::RoundRobin,
+        Policy::Session,
+        Policy::PowerOfTwo,
+    ] {
+        assert_eq!(select(policy, &input(&[0; 3], 1, 1), &loads, &P).len, 0);
+    }
+}
+
+#[test]
+fn ineligible_backends_are_never_chosen_or_retried() {
+    let mut loads = fleet(5);
+    loads[2].eligible = false;
+    for policy in [
+        Policy::Prefix,
+        Policy::RoundRobin,
+        Policy::LeastRequest,
+        Policy::Random,
+        Policy::PowerOfTwo,
+        Policy::Session,
+    ] {
+        for t in 0..50 {
+            let m = [0, 0, 90, 0, 0];
+            let mut i = input(&m, 100, t);
+            i.ticket = t;
+            let c = select(policy, &i, &loads, &P);
+            assert!(
+                c.iter().all(|b| b != 2),
+                "{policy:?} picked an ineligible backend"
+            );
+            assert_eq!(c.len, MAX_CANDIDATES);
+        }
+    }
+}
+
+#[test]
+fn round_robin_cycles_over_eligible_backends() {
+    let loads = fleet(3);
+    let picks: Vec<_> = (0..6)
+        .map(|t| {
+            let mut i = input(&[0; 3], 1, 1);
+            i.ticket = t;
+            select(Policy::RoundRobin, &i, &loads, &P).first().unwrap()
+        })
+        .collect();
+    assert_eq!(picks, [0, 1, 2, 0, 1, 2]);
+}
+
+#[test]
+fn session_policy_is_sticky_per_session() {
+    let loads = fleet(8);
+    let pick = |s: u64, t: u64| {
+        let mut i = input(&[0; 8], 1, t);
+        i.session_key = Some(s);
+        select(Policy::Session, &i, &loads, &P).first().unwrap()
+    };
+    for s in 0..20 {
+        assert_eq!(pick(s, 1), pick(s, 999));
+    }
+}
+
+#[test]
+fn least_request_picks_the_idlest() {
+    let mut loads = fleet(3);
+    loads[0].in_flight = 3;
+    loads[1].in_flight = 1;
+    loads[2].in_flight = 2;
+    assert_eq!(
+        select(Policy::LeastRequest, &input(&[0; 3], 1, 1), &loads, &P).first(),
+        Some(1)
+    );
+}
+
+proptest! {
+    /// The prefix policy never sends a request to a backend at or over the
+    /// bound while some backend is under it.
+    #[test]
+    fn the_load_bound_always_holds(loads_in in proptest::collection::vec((0u32..50, 0u32..1000, any::<bool>()), 1..40),
+                                   matches in proptest::collection::vec(0u32..100, 40),
+                                   key in any::<u64>()) {
+        let loads: Vec<BackendLoad> = loads_in.iter().enumerate().map(|(i, &(f, q, e))| BackendLoad {
+            eligible: e, in_flight: f, queued_prefill_blocks: q, external_conns: 0, id_hash: mix(i as u64),
+        }).collect();
+        let c = select(Policy::Prefix, &input(&matches[..loads.len()], 100, key), &loads, &P);
+        let eligible: Vec<_> = loads.iter().filter(|l| l.eligible).collect();
+        if eligible.is_empty() {
+            prop_assert_eq!(c.len, 0);
+        } else {
+            let total: u64 = eligible.iter().map(|l| u64::from(l.in_flight)).sum();
+            let cap = ((1.0 + P.epsilon) * ((total + 1) as f64 / eligible.len() as f64)).floor() as u64 + u64::from(P.slack);
+            let chosen = &loads[c.first().unwrap()];
+            prop_assert!(chosen.eligible);
+            let someone_under = eligible.iter().any(|l| u64::from(l.in_flight) < cap);
+            if someone_under {
+                prop_assert!(u64::from(chosen.in_flight) < cap, "chose load {} with cap {}", chosen.in_flight, cap);
+            }
+        }
+    }
+}

@@ -1,0 +1,466 @@
+//! The OpenAI-compatible (and SGLang `/generate`) request parsing and
+//! response rendering. Requests are parsed from borrowed JSON; responses are
+//! written straight into byte buffers.
+//!
+//! Completions `prompt` may be a string, token ids, or a one-element array of
+//! either; larger batches are rejected with 400 (send one prompt per request).
+
+use super::output_text;
+use super::tokenize::{self, Token};
+use serde::Deserialize;
+use std::borrow::Cow;
+use std::io::Write;
+
+/// Which endpoint a request came to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApiKind {
+    /// `POST /v1/chat/completions`
+    Chat,
+    /// `POST /v1/completions`
+    Completion,
+    /// SGLang's `POST /generate`
+    Generate,
+}
+
+/// A parsed inference request.
+#[derive(Debug)]
+pub struct Job {
+    pub kind: ApiKind,
+    /// Index into the served model names.
+    pub model: usize,
+    pub tokens: Vec<Token>,
+    pub max_tokens: u32,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// A request error, answered in OpenAI's error shape.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: u16,
+    pub kind: &'static str,
+    pub message: String,
+    pub param: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self {
+            status: 400,
+            kind: "BadRequestError",
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    /// The JSON body: `{"error":{"message","type","param","code"}}`.
+    pub fn body(&self) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({"error": {
+            "message": self.message, "type": self.kind, "param": self.param, "code": self.status,
+        }}))
+        .unwrap_or_default()
+    }
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content<'a> {
+    Text(#[serde(borrow)] Cow<'a, str>),
+    Parts(#[serde(borrow)] Vec<Part<'a>>),
+}
+
+#[derive(Deserialize)]
+struct Part<'a> {
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct Message<'a> {
+    #[serde(borrow)]
+    role: Cow<'a, str>,
+    #[serde(borrow, default)]
+    content: Option<Content<'a>>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Prompt<'a> {
+    Text(#[serde(borrow)] Cow<'a, str>),
+    Ids(Vec<Token>),
+    Texts(#[serde(borrow)] Vec<Cow<'a, str>>),
+    IdBatches(Vec<Vec<Token>>),
+}
+
+#[derive(Deserialize)]
+struct OpenAiRequest<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    messages: Option<Vec<Message<'a>>>,
+    #[serde(borrow, default)]
+    prompt: Option<Prompt<'a>>,
+    #[serde(default)]
+    max_tokens: Option<i64>,
+    #[serde(default)]
+    max_completion_tokens: Option<i64>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+}
+
+#[derive(Deserialize)]
+struct SamplingParams {
+    #[serde(default)]
+    max_new_tokens: Option<i64>,
+}
+
+#[derive(Deserialize)]
+struct GenerateRequest<'a> {
+    #[serde(borrow, default)]
+    text: Option<Prompt<'a>>,
+    #[serde(default)]
+    input_ids: Option<Prompt<'a>>,
+    #[serde(default)]
+    sampling_params: Option<SamplingParams>,
+    #[serde(default)]
+    stream: Option<bool>,
+}
+
+fn prompt_tokens(p: Prompt<'_>) -> Result<Vec<Token>, ApiError> {
+    match p {
+        Prompt::Text(s) => Ok(tokenize::tokenize(&s)),
+        Prompt::Ids(ids) => Ok(ids),
+        Prompt::Texts(v) if v.len() == 1 => Ok(tokenize::tokenize(&v[0])),
+        Prompt::IdBatches(mut v) if v.len() == 1 => Ok(v.pop().unwrap_or_default()),
+        _ => Err(ApiError::bad_request(
+            "sim-engine serves one prompt per request; batched prompts are not supported",
+        )),
+    }
+}
+
+fn max_tokens(v: Option<i64>, default: u32) -> Result<u32, ApiError> {
+    match v {
+        None => Ok(default),
+        Some(n) if n >= 1 => Ok(n.min(i64::from(u32::MAX)) as u32),
+        Some(n) => Err(ApiError::bad_request(format!(
+            "max_tokens must be at least 1, got {n}."
+        ))),
+    }
+}
+
+/// Parses a request body for endpoint `kind`.
+pub fn parse(
+    kind: ApiKind,
+    body: &[u8],
+    models: &[String],
+    default_max: u32,
+) -> Result<Job, ApiError> {
+    let invalid =
+        |e: serde_json::Error| ApiError::bad_request(format!("Invalid request body: {e}"));
+    if kind == ApiKind::Generate {
+        let r: GenerateRequest = serde_json::from_slice(body).map_err(invalid)?;
+        let tokens = match (r.text, r.input_ids) {
+            (Some(p), _) | (None, Some(p)) => prompt_tokens(p)?,
+            (None, None) => {
+                return Err(ApiError::bad_request(
+                    "Either text or input_ids should be provided.",
+                ));
+            }
+        };
+        let mt = max_tokens(
+            r.sampling_params.and_then(|s| s.max_new_tokens),
+            default_max,
+        )?;
+        let stream = r.stream.unwrap_or(false);
+        return Ok(Job {
+            kind,
+            model: 0,
+            tokens,
+            max_tokens: mt,
+            stream,
+            include_usage: false,
+        });
+    }
+    let r: OpenAiRequest = serde_json::from_slice(body).map_err(invalid)?;
+    let model = match &r.model {
+        None => 0,
+        Some(m) => models.iter().position(|x| x == m).ok_or_else(|| ApiError {
+            status: 404,
+            kind: "NotFoundError",
+            message: format!("The model `{m}` does not exist."),
+            param: Some("model"),
+        })?,
+    };
+    let tokens = if kind == ApiKind::Chat {
+        let msgs = r
+            .messages
+            .ok_or_else(|| ApiError::bad_request("Field required: messages"))?;
+        let mut text = String::new();
+        for m in &msgs {
+            let content: Cow<'_, str> = match &m.content {
+                None => Cow::Borrowed(""),
+                Some(Content::Text(s)) => Cow::Borrowed(s),
+                Some(Content::Parts(parts)) => Cow::Owned(
+                    parts
+                        .iter()
+                        .filter_map(|p| p.text.as_deref())
+                        .collect::<Vec<_>>()
+                        .join("\n"),
+                ),
+            };
+            tokenize::render_message(&mut text, &m.role, &content);
+        }
+        text.push_str(tokenize::GENERATION_PROMPT);
+        tokenize::tokenize(&text)
+    } else {
+        prompt_tokens(
+            r.prompt
+                .ok_or_else(|| ApiError::bad_request("Field required: prompt"))?,
+        )?
+    };
+    let mt = max_tokens(r.max_completion_tokens.or(r.max_tokens), default_max)?;
+    let stream = r.stream.unwrap_or(false);
+    let include_usage = r
+        .stream_options
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
+    Ok(Job {
+        kind,
+        model,
+        tokens,
+        max_tokens: mt,
+        stream,
+        include_usage,
+    })
+}
+
+/// Renders the answer of one request in its endpoint's shape.
+pub struct Responder<'a> {
+    pub kind: ApiKind,
+    pub id: u64,
+    pub created: u64,
+    /// The model name as a JSON string (quoted, escaped).
+    pub model_json: &'a str,
+    /// Seeds the generated text.
+    pub digest: u64,
+    pub prompt_tokens: usize,
+    pub max_tokens: u32,
+}
+
+impl Responder<'_> {
+    fn object_head(&self, out: &mut Vec<u8>, object: &str) {
+        let prefix = if self.kind == ApiKind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        };
+        let _ = write!(
+            out,
+            r#"{{"id":"{prefix}-{:016x}","object":"{object}","created":{},"model":{}"#,
+            self.id, self.created, self.model_json
+        );
+    }
+
+    fn usage(&self, out: &mut Vec<u8>, completion: u32, cached: u32) {
+        let _ = write!(
+            out,
+            r#""usage":{{"prompt_tokens":{p},"total_tokens":{t},"completion_tokens":{completion},"prompt_tokens_details":{{"cached_tokens":{cached}}}}}"#,
+            p = self.prompt_tokens,
+            t = self.prompt_tokens + completion as usize
+        );
+    }
+
+    fn text(&self, from: u32, to: u32) -> String {
+        let mut s = String::with_capacity(4 * (to - from) as usize);
+        output_text::push_text(&mut s, self.digest, from, to);
+        s
+    }
+
+    /// The whole non-streaming body.
+    pub fn full_body(&self, cached: u32) -> Vec<u8> {
+        let n = self.max_tokens;
+        let text = self.text(0, n);
+        let mut o = Vec::with_capacity(text.len() + 512);
+        match self.kind {
+            ApiKind::Chat => {
+                self.object_head(&mut o, "chat.completion");
+                let _ = write!(
+                    o,
+                    r#","choices":[{{"index":0,"message":{{"role":"assistant","content":"{text}","tool_calls":[]}},"logprobs":null,"finish_reason":"length","stop_reason":null}}],"#
+                );
+                self.usage(&mut o, n, cached);
+                o.push(b'}');
+            }
+            ApiKind::Completion => {
+                self.object_head(&mut o, "text_completion");
+                let _ = write!(
+                    o,
+                    r#","choices":[{{"index":0,"text":"{text}","logprobs":null,"finish_reason":"length","stop_reason":null}}],"#
+                );
+                self.usage(&mut o, n, cached);
+                o.push(b'}');
+            }
+            ApiKind::Generate => {
+                let _ = write!(o, r#"{{"text":"{text}","meta_info":"#);
+                self.meta_info(&mut o, n, cached, true);
+                o.push(b'}');
+            }
+        }
+        o
+    }
+
+    fn meta_info(&self, o: &mut Vec<u8>, generated: u32, cached: u32, done: bool) {
+        let _ = write!(o, r#"{{"id":"{:016x}","finish_reason":"#, self.id);
+        if done {
+            let _ = write!(o, r#"{{"type":"length","length":{generated}}}"#);
+        } else {
+            o.extend_from_slice(b"null");
+        }
+        let _ = write!(
+            o,
+            r#","prompt_tokens":{},"completion_tokens":{generated},"cached_tokens":{cached}}}"#,
+            self.prompt_tokens
+        );
+    }
+
+    /// Appends the SSE events for tokens `from..to` (one event per token; the
+    /// chat role event first when `from == 0`) to `events`, each closed by a
+    /// blank line. `cached` is reported by SGLang-shaped events.
+    pub fn token_events(&self, events: &mut Vec<Vec<u8>>, from: u32, to: u32, cached: u32) {
+        if from == 0 && to > 0 && self.kind == ApiKind::Chat {
+            let mut e = b"data: ".to_vec();
+            self.object_head(&mut e, "chat.completion.chunk");
+            e.extend_from_slice(
+                br#","choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}"#,
+            );
+            e.extend_from_slice(b"\n\n");
+            events.push(e);
+        }
+        for i in from..to {
+            let last = i + 1 == self.max_tokens;
+            let finish = if last { r#""length""# } else { "null" };
+            let piece = self.text(i, i + 1);
+            let mut e = b"data: ".to_vec();
+            match self.kind {
+                ApiKind::Chat => {
+                    self.object_head(&mut e, "chat.completion.chunk");
+                    let _ = write!(
+                        e,
+                        r#","choices":[{{"index":0,"delta":{{"content":"{piece}"}},"logprobs":null,"finish_reason":{finish}}}]}}"#
+                    );
+                }
+                ApiKind::Completion => {
+                    self.object_head(&mut e, "text_completion");
+                    let _ = write!(
+                        e,
+                        r#","choices":[{{"index":0,"text":"{piece}","logprobs":null,"finish_reason":{finish},"stop_reason":null}}]}}"#
+                    );
+                }
+                ApiKind::Generate => {
+                    let _ = write!(e, r#"{{"text":"{}","meta_info":"#, self.text(0, i + 1));
+                    self.meta_info(&mut e, i + 1, cached, last);
+                    e.push(b'}');
+                }
+            }
+            e.extend_from_slice(b"\n\n");
+            events.push(e);
+        }
+    }
+
+    /// The final events: the usage chunk (if asked for) and `[DONE]`.
+    pub fn final_events(&self, events: &mut Vec<Vec<u8>>, include_usage: bool, cached: u32) {
+        if include_usage && self.kind != ApiKind::Generate {
+            let mut e = b"data: ".to_vec();
+            let obj = if self.kind == ApiKind::Chat {
+                "chat.completion.chunk"
+            } else {
+                "text_completion"
+            };
+            self.object_head(&mut e, obj);
+            e.extend_from_slice(br#","choices":[],"#);
+            self.usage(&mut e, self.max_tokens, cached);
+            e.extend_from_slice(b"}\n\n");
+            events.push(e);
+        }
+        events.push(b"data: [DONE]\n\n".to_vec());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn models() -> Vec<String> {
+        vec!["m".to_string()]
+    }
+
+    #[test]
+    fn chat_content_string_and_parts_render_alike() {
+        let a = br#"{"model":"m","messages":[{"role":"user","content":"hi there"}]}"#;
+        let b = br#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi there"}]}],"max_tokens":3}"#;
+        let ja = parse(ApiKind::Chat, a, &models(), 32).unwrap();
+        let jb = parse(ApiKind::Chat, b, &models(), 32).unwrap();
+        assert_eq!(ja.tokens, jb.tokens);
+        assert_eq!((ja.max_tokens, jb.max_tokens), (32, 3));
+    }
+
+    #[test]
+    fn errors() {
+        assert_eq!(
+            parse(ApiKind::Chat, b"{nope", &models(), 1)
+                .unwrap_err()
+                .status,
+            400
+        );
+        let unknown = br#"{"model":"x","messages":[]}"#;
+        assert_eq!(
+            parse(ApiKind::Chat, unknown, &models(), 1)
+                .unwrap_err()
+                .status,
+            404
+        );
+        let batch = br#"{"prompt":["a","b"]}"#;
+        assert_eq!(
+            parse(ApiKind::Completion, batch, &models(), 1)
+                .unwrap_err()
+                .status,
+            400
+        );
+        let zero = br#"{"prompt":"a","max_tokens":0}"#;
+        assert_eq!(
+            parse(ApiKind::Completion, zero, &models(), 1)
+                .unwrap_err()
+                .status,
+            400
+        );
+    }
+
+    #[test]
+    fn completion_prompt_forms() {
+        let ids = parse(ApiKind::Completion, br#"{"prompt":[5,6,7]}"#, &models(), 1).unwrap();
+        assert_eq!(ids.tokens, vec![5, 6, 7]);
+        let one = parse(
+            ApiKind::Completion,
+            br#"{"prompt":["abcdefgh"]}"#,
+            &models(),
+            1,
+        )
+        .unwrap();
+        assert_eq!(one.tokens.len(), 2);
+        let g = parse(
+            ApiKind::Generate,
+            br#"{"input_ids":[1,2],"sampling_params":{"max_new_tokens":4}}"#,
+            &models(),
+            1,
+        );
+        assert_eq!(g.unwrap().max_tokens, 4);
+    }
+}

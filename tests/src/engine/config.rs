@@ -1,0 +1,98 @@
+//! Command-line configuration of `sim-engine`. Defaults model an 8B model in
+//! bf16 on one 80 GB GPU under vLLM.
+
+use clap::Parser;
+
+/// Simulated vLLM engine: the OpenAI-compatible API with prefix caching,
+/// continuous batching and fault injection, without a GPU.
+///
+/// Timing: each engine step runs every decoding sequence (one token each) and
+/// prefill chunks (FIFO, up to --max-num-batched-tokens) and lasts
+/// decode-step-ms + decode-step-per-seq-ms x sequences + prefill tokens /
+/// prefill-tps, times --time-scale. With all timing flags at 0 (or
+/// --time-scale 0) requests are answered at once (zero-cost mode).
+#[derive(Parser, Clone, Debug)]
+#[command(name = "sim-engine", version, about, long_about = None)]
+pub struct EngineArgs {
+    /// Address to listen on (port 0 picks one; the chosen address is printed
+    /// as `listening on ADDR` on stdout once ready).
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub listen: String,
+    /// Instance id sent as the `x-engine-id` response header [default: the
+    /// listen address].
+    #[arg(long)]
+    pub id: Option<String>,
+    /// Served model name; repeat for several. The first labels metrics.
+    #[arg(
+        long = "model",
+        visible_alias = "served-model-name",
+        default_value = "sim-llama-8b"
+    )]
+    pub models: Vec<String>,
+    /// KV-cache capacity in 16-token blocks (6400 blocks = 102,400 tokens,
+    /// about what an 8B model leaves free on an 80 GB GPU).
+    #[arg(long, default_value_t = 6400)]
+    pub kv_blocks: usize,
+    /// Prefill throughput in tokens per second, shared by all sequences
+    /// prefilling in a step (0 = free).
+    #[arg(long, default_value_t = 10_000.0)]
+    pub prefill_tps: f64,
+    /// Fixed time of one engine step (forward pass) in ms.
+    #[arg(long, default_value_t = 15.0)]
+    pub decode_step_ms: f64,
+    /// Extra step time per sequence in the batch, in ms.
+    #[arg(long, default_value_t = 0.1)]
+    pub decode_step_per_seq_ms: f64,
+    /// Maximum running sequences; later requests wait in a FIFO queue.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Token budget of one step (decodes count one each; the rest goes to
+    /// prefill chunks), as vLLM's chunked prefill.
+    #[arg(long, default_value_t = 8192)]
+    pub max_num_batched_tokens: usize,
+    /// Multiplies all simulated time (0.01 runs 100x faster than a GPU).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Output tokens when a request gives no max_tokens.
+    #[arg(long, default_value_t = 32)]
+    pub default_max_tokens: u32,
+    /// Longest prompt + output in tokens [default: the KV-cache capacity].
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Worker threads (1 = a single-threaded runtime).
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+    /// Seed of the fault-injection draws (answers depend on the prompt only).
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Probability of answering an inference request with 500.
+    #[arg(long, default_value_t = 0.0)]
+    pub fail_rate: f64,
+    /// Probability of closing the connection halfway through a response.
+    #[arg(long, default_value_t = 0.0)]
+    pub drop_mid_stream_rate: f64,
+    /// Real (unscaled) ms to wait before the first byte of each inference response.
+    #[arg(long, default_value_t = 0)]
+    pub stall_first_byte_ms: u64,
+    /// Refuse connections for the first N ms: the port is bound only after
+    /// N ms, so connects fail with ECONNREFUSED. Set at run time through
+    /// POST /sim/faults, accepted connections are reset (RST) instead.
+    #[arg(long, default_value_t = 0)]
+    pub refuse_connections_ms: u64,
+}
+
+impl EngineArgs {
+    /// True when no simulated time passes: requests are answered at once.
+    pub fn zero_cost(&self) -> bool {
+        self.time_scale == 0.0
+            || (self.prefill_tps == 0.0
+                && self.decode_step_ms == 0.0
+                && self.decode_step_per_seq_ms == 0.0)
+    }
+
+    /// The longest sequence accepted, in tokens.
+    pub fn max_model_len(&self) -> usize {
+        self.max_model_len
+            .unwrap_or(self.kv_blocks * super::block_hash::BLOCK_SIZE)
+    }
+}

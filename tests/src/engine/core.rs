@@ -1,0 +1,383 @@
+//! The engine proper: admission, continuous batching and prefix caching, as
+//! pure state transitions. The scheduler task ([`super::scheduler`]) calls
+//! [`Engine::plan_step`], sleeps for the step's simulated duration, then calls
+//! [`Engine::apply_step`]; zero-cost mode calls [`Engine::run_now`] instead.
+//!
+//! Invariant: this module does no I/O and never waits; progress reaches the
+//! connection tasks through one unbounded channel per request.
+
+use super::block_hash::{BLOCK_SIZE, PromptBlocks};
+use super::config::EngineArgs;
+use super::faults::{Dice, Faults};
+use super::kv_cache::KvCache;
+use super::metrics::{Gauges, Metrics};
+use super::output_text;
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+/// What a request's connection task learns after each engine step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// Tokens generated so far.
+    pub generated: u32,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: u32,
+    /// The request is complete.
+    pub done: bool,
+}
+
+/// Step timing, in simulated seconds.
+#[derive(Clone, Copy, Debug)]
+struct Timing {
+    step_s: f64,
+    per_seq_s: f64,
+    prefill_tps: f64,
+    max_num_seqs: usize,
+    max_batched: usize,
+}
+
+struct Seq {
+    prompt: PromptBlocks,
+    max_tokens: u32,
+    arrival: Instant,
+    tx: UnboundedSender<Progress>,
+    blocks: Vec<u32>,
+    computed: usize,
+    registered: usize,
+    generated: u32,
+    cached: u32,
+}
+
+/// One engine step: which sequences decode and how many prompt tokens each
+/// prefilling sequence computes.
+#[derive(Clone, Debug, Default)]
+pub struct StepPlan {
+    /// Simulated duration in seconds (before --time-scale).
+    pub dur_s: f64,
+    decodes: Vec<u64>,
+    prefills: Vec<(u64, usize)>,
+}
+
+/// Engine state shared by the connection tasks and the scheduler.
+pub struct Engine {
+    pub cache: KvCache,
+    pub metrics: Metrics,
+    pub faults: Faults,
+    pub dice: Dice,
+    timing: Timing,
+    seqs: HashMap<u64, Seq>,
+    waiting: VecDeque<u64>,
+    running: Vec<u64>,
+    next_id: u64,
+}
+
+impl Engine {
+    /// An idle engine configured by `args`.
+    pub fn new(args: &EngineArgs) -> Self {
+        Self {
+            cache: KvCache::new(args.kv_blocks),
+            metrics: Metrics::default(),
+            faults: Faults {
+                fail_rate: args.fail_rate,
+                drop_mid_stream_rate: args.drop_mid_stream_rate,
+                stall_first_byte_ms: args.stall_first_byte_ms,
+                ..Faults::default()
+            },
+            dice: Dice::new(args.seed),
+            timing: Timing {
+                step_s: args.decode_step_ms / 1e3,
+                per_seq_s: args.decode_step_per_seq_ms / 1e3,
+                prefill_tps: args.prefill_tps,
+                max_num_seqs: args.max_num_seqs.max(1),
+                max_batched: args.max_num_batched_tokens.max(1),
+            },
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 0,
+        }
+    }
+
+    /// Blocks a request needs for its prompt and all its output.
+    pub fn blocks_needed(num_prompt: usize, max_tokens: u32) -> usize {
+        (num_prompt + max_tokens as usize).div_ceil(BLOCK_SIZE)
+    }
+
+    /// Queues a request; progress arrives on the returned channel.
+    pub fn submit(
+        &mut self,
+        prompt: PromptBlocks,
+        max_tokens: u32,
+        now: Instant,
+    ) -> UnboundedReceiver<Progress> {
+        let (tx, rx) = unbounded_channel();
+        let id = self.next_id;
+        self.next_id += 1;
+        let seq = Seq {
+            prompt,
+            max_tokens: max_tokens.max(1),
+            arrival: now,
+            tx,
+            blocks: Vec::new(),
+            computed: 0,
+            registered: 0,
+            generated: 0,
+            cached: 0,
+        };
+        self.seqs.insert(id, seq);
+        self.waiting.push_back(id);
+        rx
+    }
+
+    /// Serves a request at once (zero-cost mode): cache lookup, insertion of
+    /// prompt and output blocks, release. Returns the cached prompt tokens,
+    /// or `None` if its blocks do not fit next to the running requests.
+    pub fn run_now(&mut self, prompt: &PromptBlocks, max_tokens: u32) -> Option<u32> {
+        let hit = prompt.usable_hit_blocks(self.cache.lookup(&prompt.hashes));
+        let need = Self::blocks_needed(prompt.num_tokens, max_tokens);
+        let blocks = self.cache.allocate(&prompt.hashes, hit, need)?;
+        for (i, &h) in prompt.hashes.iter().enumerate().skip(hit) {
+            self.cache.register(blocks[i], h);
+        }
+        let out = prompt.output_block_hashes(&output_text::tokens(prompt.digest(), max_tokens));
+        for (i, h) in out.into_iter().enumerate() {
+            self.cache.register(blocks[prompt.hashes.len() + i], h);
+        }
+        self.cache.release(&blocks);
+        let cached = (hit * BLOCK_SIZE) as u32;
+        let m = &mut self.metrics;
+        m.prefix_cache_queries += prompt.num_tokens as u64;
+        m.prefix_cache_hits += u64::from(cached);
+        m.prompt_tokens += prompt.num_tokens as u64;
+        m.generation_tokens += u64::from(max_tokens);
+        m.requests_success += 1;
+        m.ttft.observe(0.0);
+        m.e2e.observe(0.0);
+        Some(cached)
+    }
+
+    /// Admits waiting requests (FIFO, while a seat and their blocks are free)
+    /// and plans the next step, or returns `None` when there is nothing to run.
+    pub fn plan_step(&mut self) -> Option<StepPlan> {
+        while self.running.len() < self.timing.max_num_seqs {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            let seq = self.seqs.get_mut(&id).expect("waiting seq exists");
+            if seq.tx.is_closed() {
+                self.waiting.pop_front();
+                self.seqs.remove(&id);
+                continue;
+            }
+            let hit = seq
+                .prompt
+                .usable_hit_blocks(self.cache.lookup(&seq.prompt.hashes));
+            let need = Self::blocks_needed(seq.prompt.num_tokens, seq.max_tokens);
+            let Some(blocks) = self.cache.allocate(&seq.prompt.hashes, hit, need) else {
+                break;
+            };
+            seq.blocks = blocks;
+            seq.cached = (hit * BLOCK_SIZE) as u32;
+            seq.computed = hit * BLOCK_SIZE;
+            seq.registered = hit;
+            self.metrics.prefix_cache_queries += seq.prompt.num_tokens as u64;
+            self.metrics.prefix_cache_hits += u64::from(seq.cached);
+            self.metrics.prompt_tokens += seq.prompt.num_tokens as u64;
+            self.waiting.pop_front();
+            self.running.push(id);
+        }
+        if self.running.is_empty() {
+            return None;
+        }
+        let t = self.timing;
+        let mut plan = StepPlan::default();
+        for &id in &self.running {
+            let s = &self.seqs[&id];
+            if s.computed == s.prompt.num_tokens {
+                plan.decodes.push(id);
+            }
+        }
+        let mut budget = t.max_batched.saturating_sub(plan.decodes.len());
+        let mut prefill_tokens = 0;
+        for &id in &self.running {
+            let s = &self.seqs[&id];
+            let left = s.prompt.num_tokens - s.computed;
+            if left > 0 && budget > 0 {
+                let chunk = left.min(budget);
+                budget -= chunk;
+                prefill_tokens += chunk;
+                plan.prefills.push((id, chunk));
+            }
+        }
+        let seqs = plan.decodes.len() + plan.prefills.len();
+        plan.dur_s = t.step_s + t.per_seq_s * seqs as f64;
+        if t.prefill_tps > 0.0 {
+            plan.dur_s += prefill_tokens as f64 / t.prefill_tps;
+        }
+        Some(plan)
+    }
+
+    /// Applies a planned step that ended at `at`.
+    pub fn apply_step(&mut self, plan: &StepPlan, at: Instant) {
+        for &(id, chunk) in &plan.prefills {
+            let Some(s) = self.seqs.get_mut(&id) else {
+                continue;
+            };
+            s.computed += chunk;
+            let full = s.computed / BLOCK_SIZE;
+            while s.registered < full.min(s.prompt.hashes.len()) {
+                self.cache
+                    .register(s.blocks[s.registered], s.prompt.hashes[s.registered]);
+                s.registered += 1;
+            }
+            if s.computed == s.prompt.num_tokens {
+                self.metrics
+                    .ttft
+                    .observe(at.saturating_duration_since(s.arrival).as_secs_f64());
+                self.advance(id, at);
+            }
+        }
+        for &id in &plan.decodes {
+            self.advance(id, at);
+        }
+    }
+
+    /// One more token for `id`; finishes or aborts it as needed.
+    fn advance(&mut self, id: u64, at: Instant) {
+        let Some(s) = self.seqs.get_mut(&id) else {
+            return;
+        };
+        s.generated += 1;
+        let done = s.generated >= s.max_tokens;
+        let sent =
+            s.tx.send(Progress {
+                generated: s.generated,
+                cached_tokens: s.cached,
+                done,
+            })
+            .is_ok();
+        if done || !sent {
+            self.finish(id, at, sent);
+        }
+    }
+
+    /// Caches the output blocks, frees the request's blocks and forgets it.
+    fn finish(&mut self, id: u64, at: Instant, completed: bool) {
+        self.running.retain(|&r| r != id);
+        let Some(s) = self.seqs.remove(&id) else {
+            return;
+        };
+        let out = s
+            .prompt
+            .output_block_hashes(&output_text::tokens(s.prompt.digest(), s.generated));
+        for (i, h) in out.into_iter().enumerate() {
+            self.cache.register(s.blocks[s.prompt.hashes.len() + i], h);
+        }
+        self.cache.release(&s.blocks);
+        self.metrics.generation_tokens += u64::from(s.generated);
+        if completed {
+            self.metrics.requests_success += 1;
+            self.metrics
+                .e2e
+                .observe(at.saturating_duration_since(s.arrival).as_secs_f64());
+        }
+    }
+
+    /// Gauges for `/metrics`.
+    pub fn gauges(&self) -> Gauges {
+        Gauges {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            kv_usage: self.cache.used_blocks() as f64 / self.cache.num_blocks().max(1) as f64,
+            num_blocks: self.cache.num_blocks(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn engine(extra: &[&str]) -> Engine {
+        let mut args = vec!["sim-engine"];
+        args.extend_from_slice(extra);
+        Engine::new(&EngineArgs::parse_from(args))
+    }
+
+    fn prompt(n: u32) -> PromptBlocks {
+        PromptBlocks::new(1, &(0..n).collect::<Vec<_>>())
+    }
+
+    /// Runs steps until every request is done; returns the number of steps.
+    fn drain(e: &mut Engine) -> usize {
+        let mut steps = 0;
+        while let Some(p) = e.plan_step() {
+            e.apply_step(&p, Instant::now());
+            steps += 1;
+            assert!(steps < 10_000);
+        }
+        steps
+    }
+
+    #[test]
+    fn prefill_is_chunked_then_one_token_per_step() {
+        let mut e = engine(&["--max-num-batched-tokens", "100"]);
+        let mut rx = e.submit(prompt(250), 4, Instant::now());
+        assert_eq!(
+            drain(&mut e),
+            3 + 3,
+            "3 prefill steps (the last gives token 1), 3 decodes"
+        );
+        let mut last = None;
+        while let Ok(p) = rx.try_recv() {
+            last = Some(p);
+        }
+        assert_eq!(
+            last,
+            Some(Progress {
+                generated: 4,
+                cached_tokens: 0,
+                done: true
+            })
+        );
+        assert_eq!(e.cache.used_blocks(), 0);
+    }
+
+    #[test]
+    fn second_identical_request_hits_and_queue_respects_max_seqs() {
+        let mut e = engine(&["--max-num-seqs", "1"]);
+        let mut a = e.submit(prompt(64), 2, Instant::now());
+        let mut b = e.submit(prompt(64), 2, Instant::now());
+        let plan = e.plan_step().unwrap();
+        assert_eq!(e.gauges().running, 1);
+        assert_eq!(e.gauges().waiting, 1);
+        e.apply_step(&plan, Instant::now());
+        drain(&mut e);
+        let last = |rx: &mut UnboundedReceiver<Progress>| {
+            let mut l = None;
+            while let Ok(p) = rx.try_recv() {
+                l = Some(p);
+            }
+            l.unwrap()
+        };
+        assert_eq!(last(&mut a).cached_tokens, 0);
+        assert_eq!(
+            last(&mut b).cached_tokens,
+            48,
+            "fully cached aligned prompt recomputes its last block"
+        );
+    }
+
+    #[test]
+    fn disconnected_requests_free_their_blocks() {
+        let mut e = engine(&[]);
+        let rx = e.submit(prompt(64), 100, Instant::now());
+        let p = e.plan_step().unwrap();
+        drop(rx);
+        e.apply_step(&p, Instant::now());
+        assert!(e.plan_step().is_none());
+        assert_eq!(e.cache.used_blocks(), 0);
+    }
+}

@@ -1,0 +1,501 @@
+//! The listener and per-connection tasks: routing, fault injection and
+//! response streaming. Engine state sits behind one mutex that is never held
+//! across an await.
+
+use super::api::{self, ApiError, ApiKind, Responder};
+use super::block_hash::{PromptBlocks, chain_seed};
+use super::config::EngineArgs;
+use super::core::{Engine, Progress};
+use super::faults::FaultUpdate;
+use super::http1::{self, ReadError, Request};
+use super::scheduler;
+use bytes::BytesMut;
+use std::io::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+/// Everything the connection tasks share.
+struct Server {
+    engine: Arc<Mutex<Engine>>,
+    wake: Arc<Notify>,
+    args: EngineArgs,
+    engine_id: String,
+    /// Model names as JSON strings.
+    model_json: Vec<String>,
+    model_seeds: Vec<u64>,
+    zero_cost: bool,
+    next_id: AtomicU64,
+}
+
+type Conn = TcpStream;
+
+/// Binds (after `--refuse-connections-ms`), prints `listening on ADDR` on
+/// stdout and serves until the process ends.
+pub async fn serve(args: EngineArgs) -> anyhow::Result<()> {
+    if args.refuse_connections_ms > 0 {
+        tracing::info!(
+            ms = args.refuse_connections_ms,
+            "refusing connections: binding later"
+        );
+        tokio::time::sleep(Duration::from_millis(args.refuse_connections_ms)).await;
+    }
+    let listener = TcpListener::bind(&args.listen).await?;
+    let addr = listener.local_addr()?;
+    let engine = Arc::new(Mutex::new(Engine::new(&args)));
+    let wake = Arc::new(Notify::new());
+    let zero_cost = args.zero_cost();
+    if !zero_cost {
+        tokio::spawn(scheduler::run(
+            engine.clone(),
+            wake.clone(),
+            args.time_scale,
+        ));
+    }
+    let srv = Arc::new(Server {
+        engine,
+        wake,
+        engine_id: args.id.clone().unwrap_or_else(|| addr.to_string()),
+        model_json: args
+            .models
+            .iter()
+            .map(|m| serde_json::to_string(m).unwrap_or_default())
+            .collect(),
+        model_seeds: args.models.iter().map(|m| chain_seed(m)).collect(),
+        zero_cost,
+        next_id: AtomicU64::new(0),
+        args,
+    });
+    tracing::info!(%addr, id = %srv.engine_id, zero_cost, models = ?srv.args.models, "sim-engine ready");
+    println!("listening on {addr}");
+    let _ = std::io::stdout().flush();
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        if srv
+            .engine
+            .lock()
+            .expect("engine lock")
+            .faults
+            .refusing(Instant::now())
+        {
+            // Reset at once: SO_LINGER 0 makes close send RST.
+            let _ = socket2::SockRef::from(&stream).set_linger(Some(Duration::ZERO));
+            drop(stream);
+            continue;
+        }
+        tokio::spawn(connection(srv.clone(), stream));
+    }
+}
+
+async fn connection(srv: Arc<Server>, mut stream: Conn) {
+    let _ = stream.set_nodelay(true);
+    let mut buf = BytesMut::with_capacity(16 * 1024);
+    let mut out = Vec::with_capacity(4096);
+    loop {
+        let req = match http1::read_request(&mut stream, &mut buf).await {
+            Ok(Some(r)) => r,
+            Ok(None) | Err(ReadError::Io) => return,
+            Err(ReadError::Bad(msg)) => {
+                let body = ApiError::bad_request(msg).body();
+                let _ = http1::write_full(
+                    &mut stream,
+                    &mut out,
+                    400,
+                    "application/json",
+                    &body,
+                    &srv.engine_id,
+                    false,
+                )
+                .await;
+                return;
+            }
+        };
+        match srv.handle(&mut stream, &mut buf, &mut out, req).await {
+            Ok(true) => {}
+            _ => return,
+        }
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Closes the connection without finishing the response (fault injection).
+#[derive(Debug)]
+struct Dropped;
+
+impl Server {
+    /// Serves one request; `Ok(keep_alive)`.
+    async fn handle(
+        &self,
+        s: &mut Conn,
+        buf: &mut BytesMut,
+        out: &mut Vec<u8>,
+        req: Request,
+    ) -> Result<bool, Dropped> {
+        let ka = req.keep_alive;
+        let id = &self.engine_id;
+        let json = "application/json";
+        let r = match (req.method.as_str(), req.path.as_str()) {
+            ("POST", "/v1/chat/completions") => {
+                return self.infer(s, buf, out, ApiKind::Chat, &req.body, ka).await;
+            }
+            ("POST", "/v1/completions") => {
+                return self
+                    .infer(s, buf, out, ApiKind::Completion, &req.body, ka)
+                    .await;
+            }
+            ("POST", "/generate") => {
+                return self
+                    .infer(s, buf, out, ApiKind::Generate, &req.body, ka)
+                    .await;
+            }
+            ("GET", "/health") => http1::write_full(s, out, 200, json, b"", id, ka).await,
+            ("GET", "/v1/models") => {
+                http1::write_full(s, out, 200, json, &self.models_body(), id, ka).await
+            }
+            ("GET", "/metrics") => {
+                let text = {
+                    let e = self.engine.lock().expect("engine lock");
+                    e.metrics.render(&self.args.models[0], &e.gauges())
+                };
+                http1::write_full(
+                    s,
+                    out,
+                    200,
+                    "text/plain; version=0.0.4",
+                    text.as_bytes(),
+                    id,
+                    ka,
+                )
+                .await
+            }
+            ("POST", "/sim/reset_cache") | ("POST", "/reset_prefix_cache") => {
+                self.engine.lock().expect("engine lock").cache.reset();
+                http1::write_full(s, out, 200, json, b"{\"reset\":true}", id, ka).await
+            }
+            ("POST", "/sim/faults") => {
+                let (status, body) = match serde_json::from_slice::<FaultUpdate>(&req.body) {
+                    Ok(u) => {
+                        let now = Instant::now();
+                        let mut e = self.engine.lock().expect("engine lock");
+                        e.faults.apply(&u, now);
+                        tracing::info!(faults = ?e.faults, "faults changed");
+                        (
+                            200,
+                            serde_json::to_vec(&e.faults.report(now)).unwrap_or_default(),
+                        )
+                    }
+                    Err(err) => (
+                        400,
+                        ApiError::bad_request(format!("Invalid faults: {err}")).body(),
+                    ),
+                };
+                http1::write_full(s, out, status, json, &body, id, ka).await
+            }
+            (
+                _,
+                "/v1/chat/completions"
+                | "/v1/completions"
+                | "/generate"
+                | "/health"
+                | "/v1/models"
+                | "/metrics",
+            ) => {
+                http1::write_full(
+                    s,
+                    out,
+                    405,
+                    json,
+                    br#"{"detail":"Method Not Allowed"}"#,
+                    id,
+                    ka,
+                )
+                .await
+            }
+            _ => http1::write_full(s, out, 404, json, br#"{"detail":"Not Found"}"#, id, ka).await,
+        };
+        r.map(|_| ka).map_err(|_| Dropped)
+    }
+
+    fn models_body(&self) -> Vec<u8> {
+        let created = unix_now();
+        let data: Vec<_> = self
+            .args
+            .models
+            .iter()
+            .map(|m| {
+                serde_json::json!({"id": m, "object": "model", "created": created, "owned_by": "vllm",
+                    "root": m, "parent": null, "max_model_len": self.args.max_model_len()})
+            })
+            .collect();
+        serde_json::to_vec(&serde_json::json!({"object": "list", "data": data})).unwrap_or_default()
+    }
+
+    async fn error(
+        &self,
+        s: &mut Conn,
+        out: &mut Vec<u8>,
+        e: ApiError,
+        ka: bool,
+    ) -> Result<bool, Dropped> {
+        http1::write_full(
+            s,
+            out,
+            e.status,
+            "application/json",
+            &e.body(),
+            &self.engine_id,
+            ka,
+        )
+        .await
+        .map(|_| ka)
+        .map_err(|_| Dropped)
+    }
+
+    async fn infer(
+        &self,
+        s: &mut Conn,
+        buf: &mut BytesMut,
+        out: &mut Vec<u8>,
+        kind: ApiKind,
+        body: &[u8],
+        ka: bool,
+    ) -> Result<bool, Dropped> {
+        let arrival = Instant::now();
+        let job = match api::parse(kind, body, &self.args.models, self.args.default_max_tokens) {
+            Ok(j) => j,
+            Err(e) => return self.error(s, out, e, ka).await,
+        };
+        let (fail, drop_mid, stall) = {
+            let mut e = self.engine.lock().expect("engine lock");
+            let (f, d) = (e.faults.fail_rate, e.faults.drop_mid_stream_rate);
+            (e.dice.roll(f), e.dice.roll(d), e.faults.stall_first_byte_ms)
+        };
+        if stall > 0 {
+            tokio::time::sleep(Duration::from_millis(stall)).await;
+        }
+        if fail {
+            let e = ApiError {
+                status: 500,
+                kind: "InternalServerError",
+                message: "simulated failure (--fail-rate)".into(),
+                param: None,
+            };
+            return self.error(s, out, e, ka).await;
+        }
+        let n = job.tokens.len();
+        let total = n + job.max_tokens as usize;
+        if n == 0 {
+            return self
+                .error(s, out, ApiError::bad_request("The prompt is empty."), ka)
+                .await;
+        }
+        let limit = self
+            .args
+            .max_model_len()
+            .min(self.args.kv_blocks * super::block_hash::BLOCK_SIZE);
+        if total > limit {
+            let msg = format!(
+                "This model's maximum context length is {limit} tokens. However, you requested {total} tokens ({n} in the messages, {} in the completion). Please reduce the length of the messages or completion.",
+                job.max_tokens
+            );
+            return self.error(s, out, ApiError::bad_request(msg), ka).await;
+        }
+        let prompt = PromptBlocks::new(self.model_seeds[job.model], &job.tokens);
+        drop(job.tokens);
+        let resp = Responder {
+            kind: job.kind,
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            created: unix_now(),
+            model_json: &self.model_json[job.model],
+            digest: prompt.digest(),
+            prompt_tokens: n,
+            max_tokens: job.max_tokens,
+        };
+        let drop_at = drop_mid.then_some(job.max_tokens / 2);
+        if self.zero_cost {
+            let cached = self
+                .engine
+                .lock()
+                .expect("engine lock")
+                .run_now(&prompt, job.max_tokens);
+            let Some(cached) = cached else {
+                let e = ApiError {
+                    status: 503,
+                    kind: "ServiceUnavailableError",
+                    message: "KV cache full".into(),
+                    param: None,
+                };
+                return self.error(s, out, e, ka).await;
+            };
+            out.clear();
+            if job.stream {
+                http1::head(out, 200, "text/event-stream", None, &self.engine_id, ka);
+                let mut events = Vec::new();
+                resp.token_events(&mut events, 0, drop_at.unwrap_or(job.max_tokens), cached);
+                if drop_at.is_none() {
+                    resp.final_events(&mut events, job.include_usage, cached);
+                }
+                for e in &events {
+                    http1::chunk(out, e);
+                }
+                if drop_at.is_none() {
+                    out.extend_from_slice(http1::LAST_CHUNK);
+                }
+            } else {
+                let body = resp.full_body(cached);
+                http1::head(
+                    out,
+                    200,
+                    "application/json",
+                    Some(body.len()),
+                    &self.engine_id,
+                    ka,
+                );
+                let keep = if drop_at.is_some() {
+                    body.len() / 2
+                } else {
+                    body.len()
+                };
+                out.extend_from_slice(&body[..keep]);
+            }
+            s.write_all(out).await.map_err(|_| Dropped)?;
+            return if drop_at.is_some() {
+                Err(Dropped)
+            } else {
+                Ok(ka)
+            };
+        }
+        let rx = self
+            .engine
+            .lock()
+            .expect("engine lock")
+            .submit(prompt, job.max_tokens, arrival);
+        self.wake.notify_one();
+        if job.stream {
+            self.stream(s, buf, out, &resp, rx, job.include_usage, drop_at, ka)
+                .await
+        } else {
+            let mut rx = rx;
+            let mut last = Progress {
+                generated: 0,
+                cached_tokens: 0,
+                done: false,
+            };
+            while !last.done {
+                last = next_progress(s, buf, &mut rx).await.ok_or(Dropped)?;
+            }
+            drop(rx);
+            let body = resp.full_body(last.cached_tokens);
+            out.clear();
+            http1::head(
+                out,
+                200,
+                "application/json",
+                Some(body.len()),
+                &self.engine_id,
+                ka,
+            );
+            let keep = if drop_at.is_some() {
+                body.len() / 2
+            } else {
+                body.len()
+            };
+            out.extend_from_slice(&body[..keep]);
+            s.write_all(out).await.map_err(|_| Dropped)?;
+            if drop_at.is_some() {
+                Err(Dropped)
+            } else {
+                Ok(ka)
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn stream(
+        &self,
+        s: &mut Conn,
+        buf: &mut BytesMut,
+        out: &mut Vec<u8>,
+        resp: &Responder<'_>,
+        mut rx: UnboundedReceiver<Progress>,
+        include_usage: bool,
+        drop_at: Option<u32>,
+        ka: bool,
+    ) -> Result<bool, Dropped> {
+        out.clear();
+        http1::head(out, 200, "text/event-stream", None, &self.engine_id, ka);
+        s.write_all(out).await.map_err(|_| Dropped)?;
+        let mut sent = 0;
+        let mut events = Vec::new();
+        loop {
+            let p = next_progress(s, buf, &mut rx).await.ok_or(Dropped)?;
+            let upto = drop_at.map_or(p.generated, |d| p.generated.min(d));
+            events.clear();
+            resp.token_events(&mut events, sent, upto, p.cached_tokens);
+            sent = upto;
+            let dropping = drop_at.is_some_and(|d| p.generated >= d);
+            if p.done && !dropping {
+                resp.final_events(&mut events, include_usage, p.cached_tokens);
+            }
+            out.clear();
+            for e in &events {
+                http1::chunk(out, e);
+            }
+            if p.done && !dropping {
+                out.extend_from_slice(http1::LAST_CHUNK);
+            }
+            if !out.is_empty() {
+                s.write_all(out).await.map_err(|_| Dropped)?;
+            }
+            if dropping {
+                return Err(Dropped);
+            }
+            if p.done {
+                return Ok(ka);
+            }
+        }
+    }
+}
+
+/// Waits for the next progress (coalescing any already queued), watching the
+/// client: if it closes the connection the request is abandoned (dropping
+/// the receiver makes the engine abort it). Pipelined bytes are kept in `buf`.
+async fn next_progress(
+    s: &mut Conn,
+    buf: &mut BytesMut,
+    rx: &mut UnboundedReceiver<Progress>,
+) -> Option<Progress> {
+    loop {
+        tokio::select! {
+            p = rx.recv() => {
+                let mut p = p?;
+                while let Ok(q) = rx.try_recv() {
+                    p = q;
+                }
+                return Some(p);
+            }
+            r = s.read_buf(buf) => match r {
+                Ok(0) | Err(_) => return None,
+                Ok(_) if buf.len() > 1 << 20 => return None,
+                Ok(_) => {}
+            }
+        }
+    }
+}

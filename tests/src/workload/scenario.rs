@@ -1,0 +1,331 @@
+//! The workload scenarios: what each session sends, turn by turn.
+//!
+//! A [`Corpus`] holds the scenario's shared prefixes (system prompts,
+//! few-shot templates, documents, tool sets), generated from the run's seed.
+//! A [`Session`] is one conversation (one user's chat, one question or
+//! document, one agent task): it yields the messages of each request and
+//! takes the engine's answer, which later turns resend.
+
+use super::synth;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The kind of traffic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum ScenarioKind {
+    /// Multi-turn chats over a few shared system prompts; every turn resends
+    /// the whole history including the engine's previous answers.
+    Chat,
+    /// Few-shot templates shared by many one-off questions.
+    FewShot,
+    /// One hot system prompt carries most of the traffic (`hot_fraction`),
+    /// the rest spread over `prefixes` cold ones.
+    HotPrefix,
+    /// Question answering over long documents, several questions per document.
+    LongDoc,
+    /// Agent loops: the context grows by the answer and a tool result each step.
+    Agent,
+}
+
+impl ScenarioKind {
+    /// The CLI name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Chat => "chat",
+            Self::FewShot => "few-shot",
+            Self::HotPrefix => "hot-prefix",
+            Self::LongDoc => "long-doc",
+            Self::Agent => "agent",
+        }
+    }
+}
+
+/// A scenario and its parameters. [`Scenario::new`] gives each kind's defaults.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Scenario {
+    pub kind: ScenarioKind,
+    /// Shared prefixes: system prompts (chat), templates (few-shot), cold
+    /// prompts (hot-prefix, plus the hot one), documents (long-doc), tool
+    /// sets (agent).
+    pub prefixes: usize,
+    /// Tokens per shared prefix; long-doc documents get between half and all of it.
+    pub prefix_tokens: usize,
+    /// Tokens per user message (chat turn, question, agent task).
+    pub user_tokens: usize,
+    /// Requests per session, drawn uniformly from this inclusive range (chat
+    /// turns, questions per document, agent steps).
+    pub turns: (u32, u32),
+    /// `max_tokens` of every request.
+    pub max_tokens: u32,
+    /// Mean think time between a session's turns in ms (exponential; 0 = none).
+    pub think_time_ms: f64,
+    /// hot-prefix: probability that a session uses the hot prefix.
+    pub hot_fraction: f64,
+    /// agent: tokens per tool result.
+    pub tool_tokens: usize,
+}
+
+impl Scenario {
+    /// The defaults of `kind`.
+    pub fn new(kind: ScenarioKind) -> Self {
+        let base = Scenario {
+            kind,
+            prefixes: 4,
+            prefix_tokens: 500,
+            user_tokens: 60,
+            turns: (3, 8),
+            max_tokens: 64,
+            think_time_ms: 0.0,
+            hot_fraction: 0.8,
+            tool_tokens: 300,
+        };
+        match kind {
+            ScenarioKind::Chat => base,
+            ScenarioKind::FewShot => Scenario {
+                prefix_tokens: 1500,
+                user_tokens: 30,
+                turns: (1, 1),
+                max_tokens: 32,
+                ..base
+            },
+            ScenarioKind::HotPrefix => Scenario {
+                prefixes: 16,
+                prefix_tokens: 1000,
+                user_tokens: 40,
+                turns: (1, 1),
+                max_tokens: 32,
+                ..base
+            },
+            ScenarioKind::LongDoc => Scenario {
+                prefix_tokens: 20_000,
+                user_tokens: 30,
+                turns: (2, 5),
+                max_tokens: 64,
+                ..base
+            },
+            ScenarioKind::Agent => Scenario {
+                prefixes: 2,
+                prefix_tokens: 1500,
+                user_tokens: 100,
+                turns: (4, 12),
+                max_tokens: 96,
+                ..base
+            },
+        }
+    }
+}
+
+/// One chat message.
+#[derive(Clone, Debug)]
+pub struct Msg {
+    pub role: &'static str,
+    pub content: Arc<str>,
+}
+
+/// The shared prefixes of a run.
+#[derive(Debug)]
+pub struct Corpus {
+    pub scenario: Scenario,
+    /// For hot-prefix, index 0 is the hot prefix.
+    pub prefixes: Vec<Arc<str>>,
+}
+
+impl Corpus {
+    /// Generates the prefixes of `scenario` from `seed`.
+    pub fn new(scenario: &Scenario, seed: u64) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed_c0de);
+        let n = match scenario.kind {
+            ScenarioKind::HotPrefix => scenario.prefixes + 1,
+            _ => scenario.prefixes.max(1),
+        };
+        let prefixes = (0..n)
+            .map(|i| {
+                let mut s = match scenario.kind {
+                    ScenarioKind::Chat => format!("You are assistant #{i}. Follow these rules.\n"),
+                    ScenarioKind::FewShot => format!("Answer like the examples (template {i}).\n"),
+                    ScenarioKind::HotPrefix => format!("System prompt {i}.\n"),
+                    ScenarioKind::LongDoc => format!("Answer questions using document {i}.\n\n"),
+                    ScenarioKind::Agent => format!("You are an agent with toolset {i}. Tools:\n"),
+                };
+                let tokens = if scenario.kind == ScenarioKind::LongDoc {
+                    rng.random_range(scenario.prefix_tokens / 2..=scenario.prefix_tokens)
+                } else {
+                    scenario.prefix_tokens
+                };
+                if scenario.kind == ScenarioKind::FewShot {
+                    while crate::engine::tokenize::count_tokens(&s) < tokens {
+                        s.push_str("Q: ");
+                        synth::push_text(&mut rng, 20, &mut s);
+                        s.push_str("\nA: ");
+                        synth::push_text(&mut rng, 40, &mut s);
+                        s.push('\n');
+                    }
+                } else {
+                    synth::push_text(&mut rng, tokens, &mut s);
+                }
+                Arc::from(s)
+            })
+            .collect();
+        Corpus {
+            scenario: scenario.clone(),
+            prefixes,
+        }
+    }
+}
+
+/// One conversation.
+#[derive(Debug)]
+pub struct Session {
+    pub id: u64,
+    /// Which shared prefix this session uses.
+    pub prefix_id: u32,
+    /// Requests sent so far.
+    pub turn: u32,
+    turns: u32,
+    kind: ScenarioKind,
+    user_tokens: usize,
+    tool_tokens: usize,
+    think_ms: f64,
+    history: Vec<Msg>,
+    rng: ChaCha8Rng,
+}
+
+impl Session {
+    /// A new session `id` whose choices come from `seed`.
+    pub fn new(corpus: &Corpus, id: u64, seed: u64) -> Self {
+        let sc = &corpus.scenario;
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let prefix_id = match sc.kind {
+            ScenarioKind::HotPrefix if rng.random_bool(sc.hot_fraction.clamp(0.0, 1.0)) => 0,
+            ScenarioKind::HotPrefix => 1 + rng.random_range(0..corpus.prefixes.len() - 1),
+            _ => rng.random_range(0..corpus.prefixes.len()),
+        } as u32;
+        let (lo, hi) = (sc.turns.0.max(1), sc.turns.1.max(sc.turns.0.max(1)));
+        let turns = rng.random_range(lo..=hi);
+        let system = Msg {
+            role: "system",
+            content: corpus.prefixes[prefix_id as usize].clone(),
+        };
+        let mut history = vec![system];
+        if sc.kind == ScenarioKind::Agent {
+            let mut task = String::from("Task: ");
+            synth::push_text(&mut rng, sc.user_tokens, &mut task);
+            history.push(Msg {
+                role: "user",
+                content: task.into(),
+            });
+        }
+        Session {
+            id,
+            prefix_id,
+            turn: 0,
+            turns,
+            kind: sc.kind,
+            user_tokens: sc.user_tokens,
+            tool_tokens: sc.tool_tokens,
+            think_ms: sc.think_time_ms,
+            history,
+            rng,
+        }
+    }
+
+    /// The messages of the next request, or `None` when the session is over.
+    pub fn next_messages(&mut self) -> Option<Vec<Msg>> {
+        if self.turn >= self.turns {
+            return None;
+        }
+        self.turn += 1;
+        let mut user = String::new();
+        match self.kind {
+            ScenarioKind::Chat => {
+                synth::push_text(&mut self.rng, self.user_tokens, &mut user);
+                self.history.push(Msg {
+                    role: "user",
+                    content: user.into(),
+                });
+                Some(self.history.clone())
+            }
+            ScenarioKind::FewShot | ScenarioKind::HotPrefix | ScenarioKind::LongDoc => {
+                user.push_str("Question: ");
+                synth::push_text(&mut self.rng, self.user_tokens, &mut user);
+                Some(vec![
+                    self.history[0].clone(),
+                    Msg {
+                        role: "user",
+                        content: user.into(),
+                    },
+                ])
+            }
+            ScenarioKind::Agent => Some(self.history.clone()),
+        }
+    }
+
+    /// Takes the answer to the last request (later turns resend it).
+    pub fn record_answer(&mut self, answer: &str) {
+        match self.kind {
+            ScenarioKind::Chat => self.history.push(Msg {
+                role: "assistant",
+                content: answer.into(),
+            }),
+            ScenarioKind::Agent => {
+                self.history.push(Msg {
+                    role: "assistant",
+                    content: answer.into(),
+                });
+                let mut result = String::from("Tool result:\n");
+                synth::push_text(&mut self.rng, self.tool_tokens, &mut result);
+                self.history.push(Msg {
+                    role: "tool",
+                    content: result.into(),
+                });
+            }
+            _ => {}
+        }
+    }
+
+    /// Whether more requests follow.
+    pub fn has_more(&self) -> bool {
+        self.turn < self.turns
+    }
+
+    /// A think time drawn before the next turn.
+    pub fn think_time(&mut self) -> Duration {
+        if self.think_ms <= 0.0 {
+            return Duration::ZERO;
+        }
+        let u: f64 = self.rng.random_range(f64::EPSILON..1.0);
+        Duration::from_secs_f64(-u.ln() * self.think_ms / 1e3)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_history_grows_with_answers_and_is_seeded() {
+        let corpus = Corpus::new(&Scenario::new(ScenarioKind::Chat), 3);
+        let mut a = Session::new(&corpus, 1, 42);
+        let mut b = Session::new(&corpus, 1, 42);
+        let m1 = a.next_messages().unwrap();
+        assert_eq!(m1.len(), 2);
+        a.record_answer("foo ");
+        let m2 = a.next_messages().unwrap();
+        assert_eq!(m2.len(), 4);
+        assert_eq!(&*m2[2].content, "foo ");
+        assert_eq!(b.next_messages().unwrap()[1].content, m1[1].content);
+    }
+
+    #[test]
+    fn hot_prefix_is_mostly_hot() {
+        let corpus = Corpus::new(&Scenario::new(ScenarioKind::HotPrefix), 3);
+        let hot = (0..1000)
+            .filter(|&i| Session::new(&corpus, i, i).prefix_id == 0)
+            .count();
+        assert!((700..900).contains(&hot), "{hot}");
+    }
+}
