@@ -53,14 +53,47 @@ pub fn run() -> anyhow::Result<()> {
 
 /// The eBPF crate is built with nightly's `-Z build-std=core`, which needs `rust-src`.
 fn ensure_nightly_rust_src() -> anyhow::Result<()> {
-    if nightly_sysroot()
-        .map(|s| s.join("lib/rustlib/src/rust/library/core").is_dir())
-        .unwrap_or(false)
-    {
-        return Ok(());
+    match nightly_sysroot() {
+        Some(s) if s.join("lib/rustlib/src/rust/library/core").is_dir() => {}
+        Some(_) => run_cmd(Command::new("rustup").args([
+            "component",
+            "add",
+            "rust-src",
+            "--toolchain",
+            "nightly",
+        ]))
+        .context("rustup could not add rust-src to the nightly toolchain")?,
+        None => run_cmd(Command::new("rustup").args([
+            "toolchain",
+            "install",
+            "nightly",
+            "--profile",
+            "minimal",
+            "--component",
+            "rust-src",
+        ]))
+        .context("rustup could not install the nightly toolchain")?,
     }
-    run_cmd(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))
-        .context("rustup could not add rust-src to the nightly toolchain")
+    warn_on_llvm_mismatch();
+    Ok(())
+}
+
+/// bpf-linker links the bitcode nightly's LLVM emits: the majors must match.
+fn warn_on_llvm_mismatch() {
+    let Ok(out) = Command::new("rustc").args(["+nightly", "-vV"]).output() else {
+        return;
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    let major = text
+        .lines()
+        .find_map(|l| l.strip_prefix("LLVM version: "))
+        .and_then(|v| v.split('.').next()?.parse::<u32>().ok());
+    if let Some(m) = major.filter(|m| *m != LLVM_MAJOR) {
+        eprintln!(
+            "setup: warning: nightly uses LLVM {m} but bpf-linker is built for LLVM \
+             {LLVM_MAJOR}; update LLVM_MAJOR in xtask/src/setup.rs"
+        );
+    }
 }
 
 fn nightly_sysroot() -> Option<PathBuf> {

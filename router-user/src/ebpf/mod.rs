@@ -98,3 +98,28 @@ fn privilege_hint() -> &'static str {
         " (not root: loading XDP needs root, or CAP_BPF and CAP_NET_ADMIN)"
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Meaningful in a build without the object (`AYA_BUILD_SKIP=1`); with the
+    /// object, `tests/ebpf_*.rs` cover loading.
+    #[test]
+    fn without_object_required_refuses_and_auto_carries_on() {
+        let backends = ["127.0.0.1:8000".parse().unwrap()];
+        let mut cfg = EbpfConfig {
+            mode: EbpfMode::Off,
+            ..Default::default()
+        };
+        assert!(EbpfLoad::start(&cfg, &backends).unwrap().is_none());
+        if has_object() {
+            return;
+        }
+        cfg.mode = EbpfMode::Required;
+        let err = EbpfLoad::start(&cfg, &backends).unwrap_err();
+        assert!(err.to_string().contains("this build has no eBPF object"));
+        cfg.mode = EbpfMode::Auto;
+        assert!(EbpfLoad::start(&cfg, &backends).unwrap().is_none());
+    }
+}

@@ -10,7 +10,7 @@ use testkit::workload::{RunConfig, Scenario, ScenarioKind, run};
 /// or vLLM), with per-request JSONL records and a summary that includes the
 /// trace's hit-rate ceiling (one engine with an unbounded prefix cache).
 #[derive(Parser, Debug)]
-#[command(name = "workload", version, about)]
+#[command(name = "workload", version)]
 struct Args {
     /// Base URL, e.g. http://127.0.0.1:8000
     #[arg(long)]

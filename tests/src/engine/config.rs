@@ -12,7 +12,7 @@ use clap::Parser;
 /// prefill-tps, times --time-scale. With all timing flags at 0 (or
 /// --time-scale 0) requests are answered at once (zero-cost mode).
 #[derive(Parser, Clone, Debug)]
-#[command(name = "sim-engine", version, about, long_about = None)]
+#[command(name = "sim-engine", version)]
 pub struct EngineArgs {
     /// Address to listen on (port 0 picks one; the chosen address is printed
     /// as `listening on ADDR` on stdout once ready).
