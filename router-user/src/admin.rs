@@ -53,10 +53,10 @@ fn serve(router: &Router, mut stream: TcpStream, reload: &Reloader) -> anyhow::R
         if reader.read_line(&mut h)? == 0 || h == "\r\n" || h == "\n" {
             break;
         }
-        if let Some((k, v)) = h.split_once(':') {
-            if k.trim().eq_ignore_ascii_case("content-length") {
-                length = v.trim().parse().unwrap_or(0);
-            }
+        if let Some((k, v)) = h.split_once(':')
+            && k.trim().eq_ignore_ascii_case("content-length")
+        {
+            length = v.trim().parse().unwrap_or(0);
         }
     }
     if length > MAX_ADMIN_BODY {

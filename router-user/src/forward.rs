@@ -272,13 +272,12 @@ async fn get_conn(
     backend: &Arc<Backend>,
     fresh_only: bool,
 ) -> Result<BackendConn, RouterError> {
-    if !fresh_only {
-        if let Some(conn) = worker
+    if !fresh_only
+        && let Some(conn) = worker
             .pool
             .take(backend, ms(cfg.timeouts.backend_pool_idle_ms))
-        {
-            return Ok(conn);
-        }
+    {
+        return Ok(conn);
     }
     let connect = TcpStream::connect_addr(backend.addr);
     let stream = match monoio::time::timeout(ms(cfg.timeouts.backend_connect_ms), connect).await {

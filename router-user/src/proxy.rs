@@ -199,10 +199,10 @@ async fn route_and_forward(
 async fn read_head(cfg: &Config, c: &mut ClientConn) -> Result<Option<RequestHead>, RouterError> {
     let mut first_byte_at = (!c.buf.is_empty()).then(Instant::now);
     loop {
-        if !c.buf.is_empty() {
-            if let Some(head) = request::parse(&c.buf, cfg.limits.max_header_bytes, &mut c.fwd)? {
-                return Ok(Some(head));
-            }
+        if !c.buf.is_empty()
+            && let Some(head) = request::parse(&c.buf, cfg.limits.max_header_bytes, &mut c.fwd)?
+        {
+            return Ok(Some(head));
         }
         let timeout = match first_byte_at {
             None => ms(cfg.timeouts.client_idle_ms),
