@@ -26,7 +26,9 @@ pub type Reloader = Box<dyn Fn() -> anyhow::Result<()> + Send + Sync>;
 pub fn start(router: Arc<Router>, addr: SocketAddr, reload: Reloader) -> anyhow::Result<()> {
     let listener =
         TcpListener::bind(addr).with_context(|| format!("binding the admin listener {addr}"))?;
+    let addr = listener.local_addr()?;
     info!(%addr, "admin listener (metrics, /admin/*)");
+    println!("admin listening on {addr}");
     std::thread::Builder::new()
         .name("admin".into())
         .spawn(move || {

@@ -47,6 +47,8 @@ pub struct BackendState {
     pub kv_blocks: AtomicUsize,
     pub requests: AtomicU64,
     pub errors: AtomicU64,
+    /// The XDP counters (opened, closed, reset, packets, bytes) as last read.
+    pub xdp: [AtomicU64; 5],
 }
 
 impl Backend {

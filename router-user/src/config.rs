@@ -31,6 +31,8 @@ pub struct Config {
     pub health: Health,
     pub admin: Admin,
     pub log: Log,
+    /// The XDP connection counters (`[ebpf]`).
+    pub ebpf: crate::ebpf::EbpfConfig,
     /// Add `x-prefix-router-backend` and `x-prefix-router-matched-blocks` to responses.
     pub debug_headers: bool,
 }
@@ -49,6 +51,7 @@ impl Default for Config {
             health: Health::default(),
             admin: Admin::default(),
             log: Log::default(),
+            ebpf: crate::ebpf::EbpfConfig::default(),
             debug_headers: false,
         }
     }

@@ -15,6 +15,7 @@ pub mod http;
 pub mod index;
 pub mod io;
 pub mod listener;
+pub mod loadview;
 pub mod logging;
 pub mod metrics;
 pub mod pool;

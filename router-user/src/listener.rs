@@ -2,6 +2,7 @@
 //! SO_REUSEPORT listener on the traffic address, so the kernel spreads
 //! connections over the workers and no two workers share a socket.
 
+use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
@@ -50,12 +51,14 @@ pub fn start(router: Arc<Router>) -> anyhow::Result<Vec<JoinHandle<()>>> {
     check_io_uring()?;
     let cfg = router.config.load_full();
     let n = cfg.worker_count();
+    // Port 0: take a port once and have every worker bind that one. The
+    // placeholder socket holds the port until the workers have bound it.
+    let (listen, _placeholder) = resolve_port(cfg.listen)?;
     let mut handles = Vec::with_capacity(n);
     let (tx, rx) = std::sync::mpsc::channel::<anyhow::Result<()>>();
     for i in 0..n {
         let router = router.clone();
         let tx = tx.clone();
-        let listen = cfg.listen;
         let h = std::thread::Builder::new()
             .name(format!("worker-{i}"))
             .spawn(move || {
@@ -90,7 +93,24 @@ pub fn start(router: Arc<Router>) -> anyhow::Result<Vec<JoinHandle<()>>> {
     for _ in 0..n {
         rx.recv().context("a worker died while starting")??;
     }
+    // Scripts and tests wait for this line (with port 0 it names the port).
+    println!("listening on {listen}");
     Ok(handles)
+}
+
+fn resolve_port(addr: SocketAddr) -> anyhow::Result<(SocketAddr, Option<socket2::Socket>)> {
+    if addr.port() != 0 {
+        return Ok((addr, None));
+    }
+    let sock = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::STREAM,
+        None,
+    )?;
+    sock.set_reuse_port(true)?;
+    sock.bind(&addr.into())?;
+    let bound = sock.local_addr()?.as_socket().context("bound address")?;
+    Ok((bound, Some(sock)))
 }
 
 async fn accept_loop(worker: Rc<Worker>, listener: TcpListener) {

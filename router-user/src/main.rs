@@ -10,7 +10,7 @@ use clap::Parser;
 use prefix_router::config::{BackendConfig, Config, ms};
 use prefix_router::router::Router;
 use prefix_router::select::Policy;
-use prefix_router::{health, listener, logging, reload};
+use prefix_router::{health, listener, loadview, logging, reload};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing::{error, info};
 
@@ -91,6 +91,26 @@ impl Cli {
     }
 }
 
+/// Raises the soft open-files limit to the hard one: every client connection
+/// and every backend connection is a descriptor, and the usual soft limit
+/// (1024) is far below `limits.max_client_connections`.
+fn raise_nofile_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid pointer to an rlimit we own.
+    let raised = unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && lim.rlim_cur < lim.rlim_max && {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim) == 0
+        }
+    };
+    if raised {
+        info!(nofile = lim.rlim_cur, "raised the open-files limit");
+    }
+}
+
 fn main() {
     if let Err(e) = run() {
         eprintln!("prefix-router: error: {e:#}");
@@ -102,7 +122,15 @@ fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let cfg = cli.config()?;
     logging::init(&cfg.log);
+    raise_nofile_limit();
     let router = Router::new(cfg.clone())?;
+    // Load XDP before the workers start: in `required` mode a failure stops
+    // the router before it takes traffic.
+    if let Some(load) =
+        loadview::start(&router).context("eBPF load signal (ebpf.mode = \"required\")")?
+    {
+        loadview::spawn(router.clone(), load)?;
+    }
     let _workers = listener::start(router.clone())?;
     health::spawn_checker(router.clone());
     if let Some(addr) = cfg.admin.listen {

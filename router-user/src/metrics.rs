@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
@@ -68,7 +69,9 @@ impl Metrics {
     /// Prometheus text exposition of everything the router knows.
     pub fn render(&self, fleet: &Fleet, index: &PrefixIndex, policy: &str) -> String {
         let mut reg = Registry::with_prefix("prefix_router");
-        let requests = Family::<Vec<(String, String)>, Gauge>::default();
+        // Counters are rebuilt at each scrape from the data path's atomics.
+        let requests = Family::<Vec<(String, String)>, Counter>::default();
+        let xdp = Family::<Vec<(String, String)>, Counter>::default();
         let in_flight = Family::<Vec<(String, String)>, Gauge>::default();
         let healthy = Family::<Vec<(String, String)>, Gauge>::default();
         let draining = Family::<Vec<(String, String)>, Gauge>::default();
@@ -83,7 +86,7 @@ impl Metrics {
                     let mut l = l.clone();
                     l.push(("status".to_owned(), (*class).to_owned()));
                     l.push(("policy".to_owned(), policy.to_owned()));
-                    requests.get_or_create(&l).set(v as i64);
+                    requests.get_or_create(&l).inc_by(v);
                 }
             }
             let s = &b.state;
@@ -103,6 +106,14 @@ impl Metrics {
                 .get_or_create(&l)
                 .set(i64::from(s.external_conns.load(Relaxed)));
             index_blocks.get_or_create(&l).set(index.len(b.slot) as i64);
+            for (i, what) in ["opened", "closed", "reset", "packets", "bytes"]
+                .iter()
+                .enumerate()
+            {
+                let mut l = l.clone();
+                l.push(("counter".to_owned(), (*what).to_owned()));
+                xdp.get_or_create(&l).inc_by(s.xdp[i].load(Relaxed));
+            }
         }
         reg.register(
             "responses",
@@ -139,11 +150,11 @@ impl Metrics {
             "Prefix blocks tracked per backend",
             index_blocks,
         );
-        let decisions = Family::<Vec<(String, String)>, Gauge>::default();
+        let decisions = Family::<Vec<(String, String)>, Counter>::default();
         for (i, name) in ["warm", "cold", "bounded", "baseline"].iter().enumerate() {
             decisions
                 .get_or_create(&vec![("decision".to_owned(), (*name).to_owned())])
-                .set(self.decisions[i].load(Relaxed) as i64);
+                .inc_by(self.decisions[i].load(Relaxed));
         }
         reg.register(
             "routing_decisions",

@@ -6,6 +6,8 @@ use std::cell::RefCell;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
 use std::time::Instant;
 
 use monoio::net::TcpStream;
@@ -19,11 +21,15 @@ use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{self, BodyFraming, RequestHead};
 use crate::io::{Read, read_more, write_all};
 use crate::pool::Pool;
-use crate::router::{RouteRequest, RouteScratch, Router};
+use crate::router::{RouteRequest, RouteScratch, Routed, Router};
 
 /// Buffers that grew past this for one large request are given back after it,
 /// so idle connections stay small.
 const KEEP_BUFFER: usize = 64 * 1024;
+/// How often a request queued for room under `limits.max_in_flight_per_backend`
+/// checks the backends' in-flight counters (atomic loads; it routes again only
+/// when one has room). 1 ms is short next to a generation and cheap to poll.
+const QUEUE_POLL: Duration = Duration::from_millis(1);
 
 /// What one worker thread owns.
 pub struct Worker {
@@ -143,33 +149,31 @@ async fn route_and_forward(
     started: Instant,
 ) -> Result<bool, RouterError> {
     let router = &worker.router;
-    let routed = {
-        let mut scratch = worker.scratch.borrow_mut();
-        let (extractor, route_scratch) = &mut *scratch;
-        let body_bytes = match body {
-            Body::InBuf { start, end } => &c.buf[start..end],
-            Body::Decoded => &c.body[..],
-        };
-        let (seed, user, has_prompt) = match head.endpoint {
-            Some(ep) => {
-                let p = extractor.extract(ep, body_bytes, &mut route_scratch.canonical)?;
-                (p.seed, p.user, true)
+    let mut routed = route_once(worker, c, head, body)?;
+    let queued = routed.choice.len == 0 && queueable(cfg, &routed);
+    if queued {
+        // Every up backend is at `limits.max_in_flight_per_backend`: wait for
+        // room (atomic loads only), then route again, until `queue_ms` passes.
+        let deadline = Instant::now() + ms(cfg.timeouts.queue_ms);
+        while routed.choice.len == 0 && Instant::now() < deadline {
+            monoio::time::sleep(QUEUE_POLL).await;
+            if has_room(cfg, &routed) {
+                routed = route_once(worker, c, head, body)?;
             }
-            None => (0, None, false),
-        };
-        let req = RouteRequest {
-            seed,
-            session: head.session.or(user),
-            has_prompt,
-        };
-        router.route(&req, route_scratch, &mut c.hashes)
-    };
+        }
+    }
     router.metrics.observe_routing(&routed, started.elapsed());
     if routed.choice.len == 0 {
-        return Err(RouterError::new(
-            Kind::Unavailable,
-            "no backend is up: every backend is unhealthy, draining or at its in-flight limit",
-        ));
+        let why = if queued {
+            format!(
+                "every backend stayed at its in-flight limit ({}, limits.max_in_flight_per_backend) for {} ms (timeouts.queue_ms)",
+                cfg.limits.max_in_flight_per_backend, cfg.timeouts.queue_ms
+            )
+        } else {
+            "no backend is up: every backend is unhealthy, draining or at its in-flight limit"
+                .to_owned()
+        };
+        return Err(RouterError::new(Kind::Unavailable, why));
     }
     forward::finish_request_head(c, head, body);
     let attempts = cfg.retry.max_attempts.min(routed.choice.len);
@@ -192,6 +196,54 @@ async fn route_and_forward(
         }
     }
     Err(last.unwrap_or_else(|| RouterError::new(Kind::BadGateway, "no backend could be reached")))
+}
+
+/// Extracts the prompt and ranks the backends. Synchronous: the worker's
+/// scratch (which holds the canonical prompt) is never borrowed across an
+/// await, so a queued request extracts again when it routes again.
+fn route_once(
+    worker: &Worker,
+    c: &mut ClientConn,
+    head: &RequestHead,
+    body: Body,
+) -> Result<Routed, RouterError> {
+    let mut scratch = worker.scratch.borrow_mut();
+    let (extractor, route_scratch) = &mut *scratch;
+    let body_bytes = match body {
+        Body::InBuf { start, end } => &c.buf[start..end],
+        Body::Decoded => &c.body[..],
+    };
+    let (seed, user, has_prompt) = match head.endpoint {
+        Some(ep) => {
+            let p = extractor.extract(ep, body_bytes, &mut route_scratch.canonical)?;
+            (p.seed, p.user, true)
+        }
+        None => (0, None, false),
+    };
+    let req = RouteRequest {
+        seed,
+        session: head.session.or(user),
+        has_prompt,
+    };
+    Ok(worker.router.route(&req, route_scratch, &mut c.hashes))
+}
+
+/// Whether a request that found no candidate should wait: some backend is up
+/// and only its in-flight limit keeps it out.
+fn queueable(cfg: &Config, routed: &Routed) -> bool {
+    cfg.limits.max_in_flight_per_backend > 0
+        && cfg.timeouts.queue_ms > 0
+        && routed.fleet.backends.iter().any(|b| b.is_up())
+}
+
+/// Whether an up backend has room under its in-flight limit now.
+fn has_room(cfg: &Config, routed: &Routed) -> bool {
+    let max = cfg.limits.max_in_flight_per_backend;
+    routed
+        .fleet
+        .backends
+        .iter()
+        .any(|b| b.is_up() && b.state.in_flight.load(Relaxed) < max)
 }
 
 /// Reads until a whole head is in `c.buf`; `Ok(None)` when the client closed

@@ -11,6 +11,10 @@
 //! - [`http::request`]`(addr, method, path, headers, body) -> Response { status, headers, body }`
 //!   and [`http::request_chunks`] (each chunk with its arrival instant).
 //!
+//! - [`router_proc::Router::spawn`]`(&backend_urls, &extra_flags, config_toml) -> Router { addr, admin, child }`:
+//!   a running `prefix-router` on free ports, killed on drop; `.backends()`
+//!   and `.metrics()` read its admin listener.
+//!
 //! # For benchmarks and router tests
 //! - [`workload::RunConfig`] (target URL, [`workload::Scenario`], users or
 //!   rate, request count and/or duration, seed) and
@@ -28,6 +32,7 @@ pub mod engine;
 pub mod engine_proc;
 pub mod http;
 pub mod proc;
+pub mod router_proc;
 pub mod workload;
 
 pub use bin_path::bin_path;
