@@ -117,8 +117,13 @@ impl Metrics {
         }
         reg.register(
             "responses",
-            "Responses relayed, by backend, status class and policy (counter)",
+            "Responses relayed, by backend, status class and policy",
             requests,
+        );
+        reg.register(
+            "xdp",
+            "XDP counters per backend: connections opened (SYN-ACK), closed (FIN), reset (RST), packets and bytes it sent",
+            xdp,
         );
         reg.register(
             "backend_in_flight",
@@ -156,17 +161,20 @@ impl Metrics {
                 .get_or_create(&vec![("decision".to_owned(), (*name).to_owned())])
                 .inc_by(self.decisions[i].load(Relaxed));
         }
-        reg.register(
-            "routing_decisions",
-            "Routing decisions by kind (counter)",
-            decisions,
-        );
-        let evictions = Gauge::<i64>::default();
-        evictions.set(index.evictions() as i64);
+        reg.register("routing_decisions", "Routing decisions by kind", decisions);
+        let evictions = Counter::<u64>::default();
+        evictions.inc_by(index.evictions());
         reg.register(
             "index_evictions",
-            "Blocks the index forgot to stay within capacity (counter)",
+            "Blocks the index forgot to stay within capacity",
             evictions,
+        );
+        let tracked = Gauge::<i64>::default();
+        tracked.set(index.total_tracked() as i64);
+        reg.register(
+            "index_tracked_blocks",
+            "Blocks tracked over all backends",
+            tracked,
         );
         reg.register(
             "matched_blocks",
@@ -175,7 +183,7 @@ impl Metrics {
         );
         reg.register(
             "routing_seconds",
-            "Time from request read to routing decision",
+            "Router time from the whole request read to the routing decision (extraction, hashing, index, selection)",
             self.routing_seconds.clone(),
         );
         let mut out = String::new();

@@ -107,7 +107,6 @@ async fn one_request(
     let Some(head) = read_head(cfg, c).await? else {
         return Ok(false);
     };
-    let started = Instant::now();
     let body = match head.body {
         BodyFraming::None => {
             c.consumed = head.len;
@@ -119,6 +118,8 @@ async fn one_request(
         BodyFraming::Length(n) => read_length_body(cfg, c, &head, n).await?,
         BodyFraming::Chunked => read_chunked_body(cfg, c, &head).await?,
     };
+    // The router's own time starts once the whole request is in.
+    let started = Instant::now();
     let result = route_and_forward(worker, cfg, c, &head, body, started).await;
     // Drop this request's bytes; keep any pipelined request behind them.
     c.buf.drain(..c.consumed);
