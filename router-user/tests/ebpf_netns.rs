@@ -293,5 +293,6 @@ fn required(xdp_mode: XdpMode) -> EbpfConfig {
         mode: EbpfMode::Required,
         interfaces: Vec::new(),
         xdp_mode,
+        ..Default::default()
     }
 }
