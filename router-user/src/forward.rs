@@ -3,6 +3,7 @@
 //! once (TCP_NODELAY on both sides), so SSE tokens are not held back.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 use monoio::net::TcpStream;
@@ -44,6 +45,9 @@ pub enum Failure {
     /// Response bytes already reached the client and the stream broke: the
     /// client connection must close so the client sees a truncated response.
     Abort,
+    /// The backend reached `limits.max_in_flight_per_backend` after it was
+    /// chosen (another worker took the last slot); nothing was sent.
+    Full,
 }
 
 /// Completes `c.fwd` (the forwarded head) with the body's length and, when
@@ -91,7 +95,23 @@ pub async fn forward(
 ) -> Result<bool, Failure> {
     let router = &worker.router;
     let uncached = (c.hashes.len() as u32).saturating_sub(matched_blocks);
+    // Routing saw room, but workers route concurrently: reserve the slot with
+    // a compare-and-swap so the limit holds exactly, then hand it to `inflight`.
+    let max = cfg.limits.max_in_flight_per_backend;
+    if max > 0
+        && backend
+            .state
+            .in_flight
+            .fetch_update(Relaxed, Relaxed, |n| (n < max).then_some(n + 1))
+            .is_err()
+    {
+        return Err(Failure::Full);
+    }
     let mut inflight = InFlight::start(backend.clone(), uncached);
+    if max > 0 {
+        // `inflight` counts the request now; give back the reservation.
+        backend.state.in_flight.fetch_sub(1, Relaxed);
+    }
     router.learn(backend, &c.hashes);
 
     // A pooled connection may have been closed by the backend while idle; if

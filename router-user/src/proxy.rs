@@ -150,53 +150,79 @@ async fn route_and_forward(
     started: Instant,
 ) -> Result<bool, RouterError> {
     let router = &worker.router;
-    let mut routed = route_once(worker, c, head, body)?;
-    let queued = routed.choice.len == 0 && queueable(cfg, &routed);
-    if queued {
-        // Every up backend is at `limits.max_in_flight_per_backend`: wait for
-        // room (atomic loads only), then route again, until `queue_ms` passes.
-        let deadline = Instant::now() + ms(cfg.timeouts.queue_ms);
-        while routed.choice.len == 0 && Instant::now() < deadline {
-            monoio::time::sleep(QUEUE_POLL).await;
-            if has_room(cfg, &routed) {
-                routed = route_once(worker, c, head, body)?;
+    let deadline = Instant::now() + ms(cfg.timeouts.queue_ms);
+    let mut head_finished = false;
+    loop {
+        let mut routed = route_once(worker, c, head, body)?;
+        let queued = routed.choice.len == 0 && queueable(cfg, &routed);
+        if queued {
+            // Every up backend is at `limits.max_in_flight_per_backend`: wait
+            // for room (atomic loads only), then route again, until `queue_ms`.
+            while routed.choice.len == 0 && Instant::now() < deadline {
+                monoio::time::sleep(QUEUE_POLL).await;
+                if has_room(cfg, &routed) {
+                    routed = route_once(worker, c, head, body)?;
+                }
+            }
+        }
+        router.metrics.observe_routing(&routed, started.elapsed());
+        if routed.choice.len == 0 {
+            return Err(if queued {
+                at_limit(cfg)
+            } else {
+                RouterError::new(
+                    Kind::Unavailable,
+                    "no backend is up: every backend is unhealthy, draining or at its in-flight limit",
+                )
+            });
+        }
+        if !head_finished {
+            forward::finish_request_head(c, head, body);
+            head_finished = true;
+        }
+        let attempts = cfg.retry.max_attempts.min(routed.choice.len);
+        let mut last = None;
+        let mut full = false;
+        for (attempt, pos) in routed.choice.iter().take(attempts).enumerate() {
+            let backend = routed.fleet.backends[pos].clone();
+            let matched = if attempt == 0 {
+                routed.choice.matched_blocks
+            } else {
+                0
+            };
+            match forward::forward(worker, cfg, c, head, body, &backend, &routed, matched).await {
+                Ok(close) => return Ok(close),
+                Err(forward::Failure::Retry(e)) => {
+                    warn!(backend = %backend.url, attempt, error = %e.message, "retrying on another backend");
+                    last = Some(e);
+                }
+                Err(forward::Failure::Answer(e)) => return Err(e),
+                Err(forward::Failure::Abort) => return Ok(true),
+                Err(forward::Failure::Full) => full = true,
+            }
+        }
+        match last {
+            // Lost every slot race: queue again while `queue_ms` lasts.
+            None if full && Instant::now() < deadline => continue,
+            None if full => return Err(at_limit(cfg)),
+            last => {
+                return Err(last.unwrap_or_else(|| {
+                    RouterError::new(Kind::BadGateway, "no backend could be reached")
+                }));
             }
         }
     }
-    router.metrics.observe_routing(&routed, started.elapsed());
-    if routed.choice.len == 0 {
-        let why = if queued {
-            format!(
-                "every backend stayed at its in-flight limit ({}, limits.max_in_flight_per_backend) for {} ms (timeouts.queue_ms)",
-                cfg.limits.max_in_flight_per_backend, cfg.timeouts.queue_ms
-            )
-        } else {
-            "no backend is up: every backend is unhealthy, draining or at its in-flight limit"
-                .to_owned()
-        };
-        return Err(RouterError::new(Kind::Unavailable, why));
-    }
-    forward::finish_request_head(c, head, body);
-    let attempts = cfg.retry.max_attempts.min(routed.choice.len);
-    let mut last = None;
-    for (attempt, pos) in routed.choice.iter().take(attempts).enumerate() {
-        let backend = routed.fleet.backends[pos].clone();
-        let matched = if attempt == 0 {
-            routed.choice.matched_blocks
-        } else {
-            0
-        };
-        match forward::forward(worker, cfg, c, head, body, &backend, &routed, matched).await {
-            Ok(close) => return Ok(close),
-            Err(forward::Failure::Retry(e)) => {
-                warn!(backend = %backend.url, attempt, error = %e.message, "retrying on another backend");
-                last = Some(e);
-            }
-            Err(forward::Failure::Answer(e)) => return Err(e),
-            Err(forward::Failure::Abort) => return Ok(true),
-        }
-    }
-    Err(last.unwrap_or_else(|| RouterError::new(Kind::BadGateway, "no backend could be reached")))
+}
+
+/// The 503 for a request that waited `timeouts.queue_ms` without room.
+fn at_limit(cfg: &Config) -> RouterError {
+    RouterError::new(
+        Kind::Unavailable,
+        format!(
+            "every backend stayed at its in-flight limit ({}, limits.max_in_flight_per_backend) for {} ms (timeouts.queue_ms)",
+            cfg.limits.max_in_flight_per_backend, cfg.timeouts.queue_ms
+        ),
+    )
 }
 
 /// Extracts the prompt and ranks the backends. Synchronous: the worker's

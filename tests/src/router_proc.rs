@@ -90,7 +90,7 @@ impl Router {
         if std::env::var_os("RUST_LOG").is_none() {
             cmd.env("RUST_LOG", "info");
         }
-        let mut child = Spawned::spawn(cmd, "prefix-router").map_err(|e| e.to_string())?;
+        let child = Spawned::spawn(cmd, "prefix-router").map_err(|e| e.to_string())?;
         let router = Router {
             addr,
             admin,
@@ -103,23 +103,9 @@ impl Router {
         if ready {
             return Ok(router);
         }
-        child = router.child_for_error();
-        Err(format!(
-            "prefix-router did not start on {addr}:\n{}",
-            child.stderr_tail(4096)
-        ))
-    }
-
-    fn child_for_error(mut self) -> Spawned {
-        self.child.stop();
-        if let Some(p) = self.config.take() {
-            let _ = std::fs::remove_file(p);
-        }
-        // Moving the child out of a Drop type: swap in nothing by forgetting
-        // the shell after taking what we need.
-        let child = unsafe_take_child(&mut self);
-        std::mem::forget(self);
-        child
+        let tail = router.child.stderr_tail(4096);
+        drop(router);
+        Err(format!("prefix-router did not start on {addr}:\n{tail}"))
     }
 
     /// `http://ADDR` of the traffic listener.
@@ -167,17 +153,21 @@ impl Router {
         }
     }
 
+    /// `GET /metrics` on the admin listener: the Prometheus text.
+    ///
+    /// # Panics
+    /// If the admin listener does not answer 200.
+    pub fn metrics(&self) -> String {
+        let r =
+            crate::http::request(self.admin, "GET", "/metrics", &[], b"").expect("GET /metrics");
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.text()
+    }
+
     /// The router's resident memory in KiB (`VmRSS` of /proc/PID/status).
     pub fn rss_kib(&self) -> u64 {
         rss_kib(self.child.pid())
     }
-}
-
-/// Takes the child out of a router being dismantled.
-fn unsafe_take_child(r: &mut Router) -> Spawned {
-    // SAFETY: `r` is forgotten right after, so the moved-out child is never
-    // dropped twice; nothing else reads it in between.
-    unsafe { std::ptr::read(&r.child) }
 }
 
 impl Drop for Router {

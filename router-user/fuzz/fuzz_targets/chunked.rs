@@ -21,14 +21,16 @@ fuzz_target!(|data: &[u8]| {
     let cut = usize::from(cut).min(input.len());
     let mut split = ChunkedDecoder::new();
     let mut out_split = Vec::new();
-    let res_split = split.feed(&input[..cut], Some(&mut out_split)).and_then(|a| {
-        if split.is_done() {
-            return Ok(a);
-        }
-        split
-            .feed(&input[cut..], Some(&mut out_split))
-            .map(|b| a + b)
-    });
+    let res_split = split
+        .feed(&input[..cut], Some(&mut out_split))
+        .and_then(|a| {
+            if split.is_done() {
+                return Ok(a);
+            }
+            split
+                .feed(&input[cut..], Some(&mut out_split))
+                .map(|b| a + b)
+        });
     match (res_whole, res_split) {
         (Ok(a), Ok(b)) => {
             assert_eq!(a, b, "consumed the same bytes");

@@ -14,7 +14,10 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(Some(head)) = parse(data, MAX_HEAD, &mut fwd) {
         assert!(head.len <= data.len() && head.len <= MAX_HEAD);
         assert!(fwd.ends_with(b"\r\n"), "forwarded head ends its last line");
-        assert!(!fwd.windows(2).any(|w| w == b"\n\n"), "no blank line inside");
+        assert!(
+            !fwd.windows(2).any(|w| w == b"\n\n"),
+            "no blank line inside"
+        );
         // Framing headers are never forwarded as sent: the proxy re-frames.
         for line in fwd.split(|&b| b == b'\n').skip(1) {
             let name = line.split(|&b| b == b':').next().unwrap_or(b"");

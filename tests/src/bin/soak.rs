@@ -1,0 +1,349 @@
+//! `soak`: minutes of mixed traffic through a real `prefix-router` in front of
+//! `sim-engine`s, killing (SIGKILL) and restarting one engine at a time, while
+//! printing the router's RSS over time and accounting for every request.
+//!
+//! A request may be lost only if it was on an engine at the moment that
+//! engine was killed (its stream is cut); any other failure is a bug, and the
+//! exit status is 1. Run it with the binaries of one profile, e.g.
+//! `cargo run --release -p router-tests --bin soak -- --minutes 3`.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::json;
+use testkit::engine_proc::SimEngine;
+use testkit::router_proc::Router;
+
+/// Soak test of prefix-router with engine restarts.
+#[derive(Parser, Debug)]
+struct Args {
+    /// How long to run, in minutes.
+    #[arg(long, default_value_t = 3.0)]
+    minutes: f64,
+    /// How long to run, in seconds (overrides --minutes).
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Engines behind the router.
+    #[arg(long, default_value_t = 3)]
+    engines: usize,
+    /// Concurrent clients, each sending one request at a time.
+    #[arg(long, default_value_t = 16)]
+    clients: usize,
+    /// Seconds between engine kills (one engine at a time, in turn).
+    #[arg(long, default_value_t = 30.0)]
+    kill_every: f64,
+    /// Seconds a killed engine stays down before it restarts.
+    #[arg(long, default_value_t = 3.0)]
+    down: f64,
+    /// Seconds between RSS and progress lines.
+    #[arg(long, default_value_t = 10.0)]
+    report_every: f64,
+    /// Engine time scale (0.1: ten times faster than a GPU).
+    #[arg(long, default_value_t = 0.1)]
+    time_scale: f64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+/// Bound on any single request; a request that takes longer is a hang.
+const IO_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How one request ended.
+enum Outcome {
+    Ok,
+    /// The stream was cut after the head; the engine that was answering.
+    Truncated(String),
+    /// A non-200 status from the router, with its text.
+    Status(u16, String),
+    /// No answer at all (connect error, reset before the head, timeout).
+    NoAnswer(String),
+}
+
+struct Done {
+    start: Instant,
+    end: Instant,
+    outcome: Outcome,
+}
+
+/// One kill: which engine, and when.
+struct Kill {
+    id: String,
+    at: Instant,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let run_for = Duration::from_secs_f64(args.seconds.unwrap_or(args.minutes * 60.0));
+    let ts = args.time_scale.to_string();
+    let ports: Vec<u16> = (0..args.engines)
+        .map(|_| testkit::proc::free_port())
+        .collect();
+    let spawn_engine = |i: usize| {
+        SimEngine::spawn(&[
+            "--listen",
+            &format!("127.0.0.1:{}", ports[i]),
+            "--id",
+            &format!("e{i}"),
+            "--time-scale",
+            &ts,
+            "--seed",
+            &i.to_string(),
+        ])
+    };
+    let engines: Vec<Mutex<Option<SimEngine>>> = (0..args.engines)
+        .map(|i| Mutex::new(Some(spawn_engine(i))))
+        .collect();
+    let urls: Vec<String> = ports
+        .iter()
+        .map(|p| format!("http://127.0.0.1:{p}"))
+        .collect();
+    let router = Router::spawn(
+        &urls,
+        &[],
+        "[health]\ninterval_ms = 200\ntimeout_ms = 500\nrise = 2\nfall = 2\npassive_fall = 3\n",
+    );
+    let pid = router.child.pid();
+    println!(
+        "soak: {:.0} s, {} engines, {} clients, a kill every {} s ({} s down); router pid {pid} on {}",
+        run_for.as_secs_f64(),
+        args.engines,
+        args.clients,
+        args.kill_every,
+        args.down,
+        router.addr
+    );
+
+    let started = Instant::now();
+    let deadline = started + run_for;
+    let stop = Arc::new(AtomicBool::new(false));
+    let results: Arc<Mutex<Vec<Done>>> = Arc::default();
+    let kills: Arc<Mutex<Vec<Kill>>> = Arc::default();
+
+    let samples = std::thread::scope(|scope| {
+        for c in 0..args.clients {
+            let (stop, results) = (stop.clone(), results.clone());
+            let addr = router.addr;
+            let seed = args.seed * 1000 + c as u64;
+            scope.spawn(move || client(addr, seed, &stop, &results));
+        }
+        // The killer: one engine at a time, in turn.
+        let (stop_k, kills_k, engines) = (stop.clone(), kills.clone(), &engines);
+        let spawn_engine = &spawn_engine;
+        let (kill_every, down) = (
+            Duration::from_secs_f64(args.kill_every),
+            Duration::from_secs_f64(args.down),
+        );
+        scope.spawn(move || {
+            let mut next = 0;
+            loop {
+                if sleep_unless(&stop_k, kill_every) {
+                    return;
+                }
+                let i = next % engines.len();
+                next += 1;
+                let mut slot = engines[i].lock().expect("engine slot");
+                if let Some(mut e) = slot.take() {
+                    let _ = e.child.child.kill();
+                    kills_k.lock().expect("kills").push(Kill {
+                        id: format!("e{i}"),
+                        at: Instant::now(),
+                    });
+                    let _ = e.child.child.wait();
+                }
+                drop(slot);
+                let interrupted = sleep_unless(&stop_k, down);
+                *engines[i].lock().expect("engine slot") = Some(spawn_engine(i));
+                if interrupted {
+                    return;
+                }
+            }
+        });
+        // The reporter, on this thread.
+        let report = Duration::from_secs_f64(args.report_every);
+        let mut samples = Vec::new();
+        while Instant::now() < deadline {
+            std::thread::sleep(report.min(deadline.saturating_duration_since(Instant::now())));
+            let rss = testkit::router_proc::rss_kib(pid);
+            let t = started.elapsed().as_secs_f64();
+            let done = results.lock().expect("results").len();
+            println!(
+                "soak: t={t:>6.1}s rss={rss} KiB requests={done} kills={}",
+                kills.lock().expect("kills").len()
+            );
+            samples.push(rss);
+        }
+        stop.store(true, Relaxed);
+        samples
+    });
+
+    // Accounting.
+    let rss_end = testkit::router_proc::rss_kib(pid);
+    let results = results.lock().expect("results");
+    let kills = kills.lock().expect("kills");
+    let at_a_kill = |d: &Done, id: Option<&str>| {
+        kills
+            .iter()
+            .any(|k| k.at >= d.start && k.at <= d.end && id.is_none_or(|id| id == k.id))
+    };
+    let (mut ok, mut on_killed, mut other) = (0u64, 0u64, 0u64);
+    for d in results.iter() {
+        match &d.outcome {
+            Outcome::Ok => ok += 1,
+            Outcome::Truncated(id) if at_a_kill(d, Some(id)) => on_killed += 1,
+            // The head had not fully arrived when the engine died: a 502
+            // from the router, or a cut before the head.
+            Outcome::Status(502, _) | Outcome::NoAnswer(_) if at_a_kill(d, None) => on_killed += 1,
+            o => {
+                other += 1;
+                if other <= 10 {
+                    let what = match o {
+                        Outcome::Truncated(id) => format!("truncated on {id}, no kill then"),
+                        Outcome::Status(s, t) => format!("status {s}: {t}"),
+                        Outcome::NoAnswer(e) => format!("no answer: {e}"),
+                        Outcome::Ok => unreachable!(),
+                    };
+                    println!(
+                        "soak: LOST at t={:.1}s: {what}",
+                        d.start.duration_since(started).as_secs_f64()
+                    );
+                }
+            }
+        }
+    }
+    let total = results.len() as u64;
+    let rss_first = samples.first().copied().unwrap_or(0);
+    let rss_max = samples.iter().copied().max().unwrap_or(0);
+    println!(
+        "soak: done: requests={total} ok={ok} lost_on_killed_engine={on_killed} lost_other={other} kills={} \
+         rss_first_kib={rss_first} rss_max_kib={rss_max} rss_end_kib={rss_end}",
+        kills.len()
+    );
+    drop(router);
+    drop(engines);
+    if other > 0 {
+        anyhow::bail!("{other} requests were lost that were not on a killed engine");
+    }
+    Ok(())
+}
+
+/// Sleeps `d` in small steps; true if `stop` was set meanwhile.
+fn sleep_unless(stop: &AtomicBool, d: Duration) -> bool {
+    let until = Instant::now() + d;
+    while Instant::now() < until {
+        if stop.load(Relaxed) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20).min(until - Instant::now()));
+    }
+    stop.load(Relaxed)
+}
+
+/// One client: requests one after another until `stop`, mixing shared system
+/// prompts (prefix reuse), streaming and not, short and longer outputs.
+fn client(addr: SocketAddr, seed: u64, stop: &AtomicBool, results: &Mutex<Vec<Done>>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    while !stop.load(Relaxed) {
+        let system = format!(
+            "You are assistant number {}. {}",
+            rng.random_range(0..12),
+            "Answer briefly and precisely. ".repeat(20)
+        );
+        let user = format!("question {} from client {seed}", rng.random::<u32>());
+        let stream = rng.random_bool(0.5);
+        let body = json!({
+            "model": "sim-llama-8b",
+            "stream": stream,
+            "max_tokens": rng.random_range(8..64),
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        })
+        .to_string();
+        let start = Instant::now();
+        let outcome = one_request(addr, body.as_bytes());
+        results.lock().expect("results").push(Done {
+            start,
+            end: Instant::now(),
+            outcome,
+        });
+    }
+}
+
+/// Sends one request (`connection: close`) and reads its answer to the end.
+fn one_request(addr: SocketAddr, body: &[u8]) -> Outcome {
+    let mut s = match TcpStream::connect_timeout(&addr, IO_TIMEOUT) {
+        Ok(s) => s,
+        Err(e) => return Outcome::NoAnswer(format!("connect: {e}")),
+    };
+    let _ = s.set_read_timeout(Some(IO_TIMEOUT));
+    let mut req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: soak\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(body);
+    if let Err(e) = s.write_all(&req) {
+        return Outcome::NoAnswer(format!("write: {e}"));
+    }
+    let mut buf = Vec::new();
+    let mut tmp = [0u8; 16 * 1024];
+    let mut head: Option<(u16, String, bool, Option<usize>, usize)> = None;
+    loop {
+        if head.is_none() {
+            let mut hs = [httparse::EMPTY_HEADER; 32];
+            let mut r = httparse::Response::new(&mut hs);
+            match r.parse(&buf) {
+                Ok(httparse::Status::Complete(n)) => {
+                    let get = |name: &str| {
+                        r.headers
+                            .iter()
+                            .find(|h| h.name.eq_ignore_ascii_case(name))
+                            .map(|h| String::from_utf8_lossy(h.value).into_owned())
+                    };
+                    let chunked = get("transfer-encoding").is_some_and(|v| v.contains("chunked"));
+                    let len = get("content-length").and_then(|v| v.parse().ok());
+                    let id = get("x-engine-id").unwrap_or_default();
+                    head = Some((r.code.unwrap_or(0), id, chunked, len, n));
+                }
+                Ok(httparse::Status::Partial) => {}
+                Err(e) => return Outcome::NoAnswer(format!("bad head: {e}")),
+            }
+        }
+        if let Some((status, _, chunked, len, n)) = &head {
+            let body = &buf[*n..];
+            let complete = if *chunked {
+                body.ends_with(b"\r\n0\r\n\r\n")
+            } else {
+                len.is_some_and(|l| body.len() >= l)
+            };
+            if complete {
+                return if *status == 200 {
+                    Outcome::Ok
+                } else {
+                    Outcome::Status(*status, String::from_utf8_lossy(body).into_owned())
+                };
+            }
+        }
+        match s.read(&mut tmp) {
+            Ok(n) if n > 0 => buf.extend_from_slice(&tmp[..n]),
+            Ok(_) => {
+                return match head {
+                    Some((_, id, ..)) => Outcome::Truncated(id),
+                    None => Outcome::NoAnswer("closed before the head".into()),
+                };
+            }
+            Err(e) => {
+                return match head {
+                    Some((_, id, ..)) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                        Outcome::Truncated(id)
+                    }
+                    _ => Outcome::NoAnswer(format!("read: {e}")),
+                };
+            }
+        }
+    }
+}

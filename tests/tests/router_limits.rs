@@ -1,0 +1,159 @@
+//! Data-path limits: a request over `limits.max_in_flight_per_backend` waits
+//! up to `timeouts.queue_ms` for room and is then served, or answered 503
+//! with Retry-After; a connection over `limits.max_client_connections` gets
+//! 503 and is closed, and the next one is served once a slot frees.
+
+use std::io::Read;
+use std::net::TcpStream;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use testkit::engine_proc::SimEngine;
+use testkit::http::{Response, post_json};
+use testkit::router_proc::Router;
+
+const SETTLE: Duration = Duration::from_secs(10);
+
+fn post_chat(addr: std::net::SocketAddr, user: &str) -> Response {
+    let body = json!({"max_tokens": 2, "messages": [{"role": "user", "content": user}]});
+    post_json(addr, "/v1/chat/completions", &body).expect("request")
+}
+
+#[test]
+fn a_request_over_the_in_flight_limit_waits_for_room() {
+    let stall = 800u64;
+    let e = SimEngine::spawn(&[
+        "--time-scale",
+        "0",
+        "--stall-first-byte-ms",
+        &stall.to_string(),
+    ]);
+    let r = Router::spawn(
+        &[e.url()],
+        &["--health-interval-ms", "0"],
+        "[limits]\nmax_in_flight_per_backend = 1\n[timeouts]\nqueue_ms = 20000\n",
+    );
+    let (tx, rx) = mpsc::channel();
+    let started = Instant::now();
+    for i in 0..2 {
+        let (addr, tx) = (r.addr, tx.clone());
+        std::thread::spawn(move || {
+            let resp = post_chat(addr, &format!("q{i}"));
+            tx.send((resp, started.elapsed())).unwrap();
+        });
+    }
+    let mut done: Vec<(Response, Duration)> = (0..2)
+        .map(|_| rx.recv_timeout(SETTLE * 3).expect("both answered"))
+        .collect();
+    done.sort_by_key(|(_, t)| *t);
+    for (resp, _) in &done {
+        assert_eq!(resp.status, 200, "{}", resp.text());
+    }
+    // One at a time: the second waited for the first's whole stall.
+    assert!(
+        done[1].1 >= Duration::from_millis(stall * 3 / 2),
+        "the queued request ran after the first ({:?})",
+        done[1].1
+    );
+    assert_eq!(r.backend(&e.url())["requests"], 2);
+}
+
+#[test]
+fn a_queued_request_gets_503_with_retry_after_when_no_room_appears() {
+    let e = SimEngine::spawn(&["--time-scale", "0", "--stall-first-byte-ms", "4000"]);
+    let r = Router::spawn(
+        &[e.url()],
+        &["--health-interval-ms", "0"],
+        "[limits]\nmax_in_flight_per_backend = 1\n[timeouts]\nqueue_ms = 300\n",
+    );
+    let (tx, rx) = mpsc::channel();
+    let addr = r.addr;
+    let first = std::thread::spawn(move || {
+        let resp = post_chat(addr, "the slow one");
+        tx.send(()).unwrap();
+        resp
+    });
+    assert!(
+        r.wait_backend(&e.url(), SETTLE, |b| b["in_flight"] == 1),
+        "the first request holds the only slot"
+    );
+    let t = Instant::now();
+    let resp = post_chat(r.addr, "the queued one");
+    let waited = t.elapsed();
+    assert_eq!(resp.status, 503, "{}", resp.text());
+    assert_eq!(resp.header("retry-after"), Some("1"));
+    assert_eq!(resp.json()["error"]["code"], 503);
+    assert!(
+        resp.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("in-flight limit")
+    );
+    assert!(
+        waited >= Duration::from_millis(250),
+        "it queued before giving up ({waited:?})"
+    );
+    assert!(
+        rx.try_recv().is_err(),
+        "the 503 came while the first request was still running"
+    );
+    assert_eq!(first.join().unwrap().status, 200);
+    // Room again: served at once.
+    assert_eq!(post_chat(r.addr, "later").status, 200);
+}
+
+/// Reads what the router sends on `s` until it closes (bounded by its timeout).
+fn read_to_close(s: &mut TcpStream) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut tmp = [0u8; 4096];
+    loop {
+        match s.read(&mut tmp) {
+            Ok(0) | Err(_) => return out,
+            Ok(n) => out.extend_from_slice(&tmp[..n]),
+        }
+    }
+}
+
+#[test]
+fn connections_over_the_limit_get_503_and_are_closed() {
+    let e = SimEngine::spawn(&["--time-scale", "0"]);
+    let r = Router::spawn(&[e.url()], &[], "[limits]\nmax_client_connections = 4\n");
+    // Four idle connections hold every slot.
+    let held: Vec<TcpStream> = (0..4)
+        .map(|_| TcpStream::connect(r.addr).unwrap())
+        .collect();
+    // The router counts a connection when it accepts it; give it a moment.
+    let deadline = Instant::now() + SETTLE;
+    let refused = loop {
+        let mut s = TcpStream::connect(r.addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_millis(500)))
+            .unwrap();
+        // Nothing is sent: the router answers a refused connection at once
+        // (and unread request bytes would turn its close into a reset).
+        let got = String::from_utf8_lossy(&read_to_close(&mut s)).into_owned();
+        if got.starts_with("HTTP/1.1 503") {
+            break got;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never refused; last answer {got:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(refused.contains("connection: close"), "{refused}");
+    assert!(refused.contains("retry-after: 1"), "{refused}");
+    assert!(refused.contains("\"code\":503"), "{refused}");
+    // A slot frees: new connections are served again.
+    drop(held);
+    let deadline = Instant::now() + SETTLE;
+    loop {
+        let resp = post_chat(r.addr, "back");
+        if resp.status == 200 {
+            break;
+        }
+        assert_eq!(resp.status, 503);
+        assert!(Instant::now() < deadline, "slots never came back");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
