@@ -1,11 +1,21 @@
 //! `cargo xtask test`: the README's test command, and what `.ci/run` calls.
+//! Set-up, a build of every binary (the end-to-end tests start them as real
+//! processes), the fuzz targets for a bounded time, then every test; it ends
+//! with one line counting what passed and failed.
 
-use std::process::Command;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
 
 use anyhow::{Context, bail};
 
+/// Seconds each fuzz target runs in the test command.
+const FUZZ_SECONDS: u32 = 20;
+
 #[derive(clap::Args)]
 pub struct Args {
+    /// Skip the fuzz targets (they need a sanitizer build: minutes when cold).
+    #[arg(long)]
+    no_fuzz: bool,
     /// Extra arguments passed to `cargo test` (after `--workspace`).
     #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
     rest: Vec<String>,
@@ -13,22 +23,89 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     crate::setup::run()?;
-    // The end-to-end tests start the binaries as real processes; build them first.
     cargo(&["build", "--workspace", "--bins"])?;
+    if !args.no_fuzz {
+        let secs = FUZZ_SECONDS.to_string();
+        run_cmd(
+            Command::new("bash").args(["router-user/fuzz/run.sh", &secs]),
+            "fuzzing",
+        )?;
+    }
     let mut test_args = vec!["test", "--workspace"];
     test_args.extend(args.rest.iter().map(String::as_str));
-    cargo(&test_args)
+    let (passed, failed, ok) = cargo_test(&test_args)?;
+    println!("tests: {passed} passed, {failed} failed");
+    if !ok {
+        bail!("cargo test failed");
+    }
+    Ok(())
+}
+
+/// Runs `cargo test`, echoing its output, and sums its `test result:` lines.
+fn cargo_test(args: &[&str]) -> anyhow::Result<(u64, u64, bool)> {
+    eprintln!("+ cargo {}", args.join(" "));
+    let mut child = Command::new(cargo_bin())
+        .args(args)
+        .stdout(Stdio::piped())
+        .spawn()
+        .context("running cargo test")?;
+    let (mut passed, mut failed) = (0, 0);
+    let out = child.stdout.take().context("cargo test stdout")?;
+    for line in BufReader::new(out).lines() {
+        let line = line?;
+        println!("{line}");
+        if let Some(rest) = line.strip_prefix("test result: ") {
+            passed += count(rest, " passed");
+            failed += count(rest, " failed");
+        }
+    }
+    let status = child.wait()?;
+    Ok((passed, failed, status.success()))
+}
+
+/// The number before `what` in `ok. 12 passed; 0 failed; ...`.
+fn count(line: &str, what: &str) -> u64 {
+    line.split(';')
+        .find_map(|part| {
+            part.trim()
+                .trim_start_matches("ok. ")
+                .trim_start_matches("FAILED. ")
+                .strip_suffix(what.trim_start())
+                .map(str::trim)
+        })
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn cargo_bin() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
 }
 
 pub fn cargo(args: &[&str]) -> anyhow::Result<()> {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    eprintln!("+ cargo {}", args.join(" "));
-    let status = Command::new(&cargo)
-        .args(args)
-        .status()
-        .with_context(|| format!("running {cargo}"))?;
+    run_cmd(
+        Command::new(cargo_bin()).args(args),
+        &format!("cargo {}", args.join(" ")),
+    )
+}
+
+fn run_cmd(cmd: &mut Command, what: &str) -> anyhow::Result<()> {
+    eprintln!("+ {what}");
+    let status = cmd.status().with_context(|| format!("starting {what}"))?;
     if !status.success() {
-        bail!("cargo {} failed: {status}", args.join(" "));
+        bail!("{what} failed: {status}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::count;
+
+    #[test]
+    fn counts_cargo_test_result_lines() {
+        let l = "ok. 12 passed; 3 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.1s";
+        assert_eq!(count(l, " passed"), 12);
+        assert_eq!(count(l, " failed"), 3);
+        assert_eq!(count("FAILED. 2 passed; 1 failed; 0 ignored", " failed"), 1);
+    }
 }
