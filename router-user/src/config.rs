@@ -217,11 +217,18 @@ pub fn ms(v: u64) -> Duration {
 pub struct Retry {
     /// Attempts per request, the first included (at most 4 candidates).
     pub max_attempts: usize,
+    /// Retries over all requests may be at most this percentage of first
+    /// attempts (plus a reserve of 10), so retries cannot multiply the load
+    /// on a failing fleet.
+    pub budget_percent: u32,
 }
 
 impl Default for Retry {
     fn default() -> Self {
-        Retry { max_attempts: 3 }
+        Retry {
+            max_attempts: 3,
+            budget_percent: 20,
+        }
     }
 }
 

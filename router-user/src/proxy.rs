@@ -184,6 +184,12 @@ async fn route_and_forward(
         let mut last = None;
         let mut full = false;
         for (attempt, pos) in routed.choice.iter().take(attempts).enumerate() {
+            if attempt == 0 {
+                worker.router.retry_budget.deposit();
+            } else if !worker.router.retry_budget.withdraw() {
+                warn!("retry budget spent: not retrying (retry.budget_percent)");
+                break;
+            }
             let backend = routed.fleet.backends[pos].clone();
             let matched = if attempt == 0 {
                 routed.choice.matched_blocks

@@ -70,6 +70,7 @@ pub fn apply(router: &Router, mut new: Config) -> anyhow::Result<()> {
             router.index.set_capacity(b.slot, kv);
         }
     }
+    router.retry_budget.set_percent(new.retry.budget_percent);
     router.config.store(Arc::new(new));
     router.fleet.store(Arc::new(Fleet { backends }));
     Ok(())

@@ -2,7 +2,7 @@
 //! routing step that turns a request into a ranked choice of backends.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use arc_swap::ArcSwap;
 
@@ -21,7 +21,47 @@ pub struct Router {
     /// Round-robin counter and random stream.
     ticket: AtomicU64,
     pub client_conns: AtomicUsize,
+    pub retry_budget: RetryBudget,
     shutting_down: AtomicBool,
+}
+
+/// Retries across all requests are capped at `retry.budget_percent` of
+/// first attempts (plus a reserve of `RETRY_RESERVE`), so a failing fleet is
+/// not hit with a multiple of its load: a token bucket in hundredths.
+pub struct RetryBudget {
+    tokens: AtomicI64,
+    percent: AtomicI64,
+}
+
+/// Retries allowed before any request has paid into the budget.
+const RETRY_RESERVE: i64 = 10;
+
+impl RetryBudget {
+    fn new(percent: u32) -> RetryBudget {
+        RetryBudget {
+            tokens: AtomicI64::new(RETRY_RESERVE * 100),
+            percent: AtomicI64::new(i64::from(percent)),
+        }
+    }
+
+    pub fn set_percent(&self, percent: u32) {
+        self.percent.store(i64::from(percent), Relaxed);
+    }
+
+    /// A first attempt pays `percent` hundredths of a retry, up to a cap.
+    pub fn deposit(&self) {
+        let p = self.percent.load(Relaxed);
+        if self.tokens.load(Relaxed) < 100 * 1000 {
+            self.tokens.fetch_add(p, Relaxed);
+        }
+    }
+
+    /// Takes one retry from the budget, if there is one.
+    pub fn withdraw(&self) -> bool {
+        self.tokens
+            .fetch_update(Relaxed, Relaxed, |t| (t >= 100).then_some(t - 100))
+            .is_ok()
+    }
 }
 
 /// Scratch space for the synchronous routing step, reused by a worker.
@@ -52,6 +92,7 @@ pub struct RouteRequest {
 impl Router {
     pub fn new(config: Config) -> anyhow::Result<Arc<Router>> {
         config.validate()?;
+        let budget_percent = config.retry.budget_percent;
         let total: usize = config
             .backends
             .iter()
@@ -76,6 +117,7 @@ impl Router {
             metrics: Metrics::default(),
             ticket: AtomicU64::new(0),
             client_conns: AtomicUsize::new(0),
+            retry_budget: RetryBudget::new(budget_percent),
             shutting_down: AtomicBool::new(false),
         }))
     }
@@ -158,5 +200,25 @@ impl Router {
         if !hashes.is_empty() && self.config.load().policy == Policy::Prefix {
             self.index.insert(backend.slot, hashes);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retries_are_capped_by_the_budget() {
+        let b = RetryBudget::new(20);
+        let reserve = (0..100).take_while(|_| b.withdraw()).count();
+        assert_eq!(reserve, RETRY_RESERVE as usize);
+        for _ in 0..50 {
+            b.deposit();
+        }
+        assert_eq!(
+            (0..100).take_while(|_| b.withdraw()).count(),
+            10,
+            "20% of 50 requests"
+        );
     }
 }
