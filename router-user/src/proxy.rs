@@ -329,25 +329,12 @@ async fn read_length_body(
     let end = head.len + n as usize;
     if c.buf.len() < end {
         if head.expect_continue {
-            let mut cont = b"HTTP/1.1 100 Continue\r\n\r\n".to_vec();
-            write_all(&mut c.stream, &mut cont)
-                .await
-                .map_err(|_| closed())?;
+            send_continue(c).await?;
         }
         c.buf.reserve(end - c.buf.len());
         let deadline = Instant::now() + ms(cfg.timeouts.client_body_ms);
         while c.buf.len() < end {
-            match read_more(
-                &mut c.stream,
-                &mut c.buf,
-                deadline.saturating_duration_since(Instant::now()),
-            )
-            .await
-            {
-                Read::Data(_) => {}
-                Read::TimedOut => return Err(body_timeout(cfg)),
-                Read::Eof | Read::Err(_) => return Err(closed()),
-            }
+            read_body_more(cfg, c, deadline).await?;
         }
     }
     c.consumed = end;
@@ -381,25 +368,39 @@ async fn read_chunked_body(
         }
         if head.expect_continue && !sent_continue {
             sent_continue = true;
-            let mut cont = b"HTTP/1.1 100 Continue\r\n\r\n".to_vec();
-            write_all(&mut c.stream, &mut cont)
-                .await
-                .map_err(|_| closed())?;
+            send_continue(c).await?;
         }
-        match read_more(
-            &mut c.stream,
-            &mut c.buf,
-            deadline.saturating_duration_since(Instant::now()),
-        )
-        .await
-        {
-            Read::Data(_) => {}
-            Read::TimedOut => return Err(body_timeout(cfg)),
-            Read::Eof | Read::Err(_) => return Err(closed()),
-        }
+        read_body_more(cfg, c, deadline).await?;
     }
     c.consumed = pos;
     Ok(Body::Decoded)
+}
+
+/// Reads more of the body, within the body deadline.
+async fn read_body_more(
+    cfg: &Config,
+    c: &mut ClientConn,
+    deadline: Instant,
+) -> Result<(), RouterError> {
+    match read_more(
+        &mut c.stream,
+        &mut c.buf,
+        deadline.saturating_duration_since(Instant::now()),
+    )
+    .await
+    {
+        Read::Data(_) => Ok(()),
+        Read::TimedOut => Err(body_timeout(cfg)),
+        Read::Eof | Read::Err(_) => Err(closed()),
+    }
+}
+
+/// Answers `Expect: 100-continue` before the body is read.
+async fn send_continue(c: &mut ClientConn) -> Result<(), RouterError> {
+    let mut cont = b"HTTP/1.1 100 Continue\r\n\r\n".to_vec();
+    write_all(&mut c.stream, &mut cont)
+        .await
+        .map_err(|_| closed())
 }
 
 fn body_timeout(cfg: &Config) -> RouterError {

@@ -37,6 +37,30 @@ impl SimEngine {
         SimEngine { addr, child }
     }
 
+    /// `n` engines with ids `e0`, `e1`, ... and the same extra `args`.
+    pub fn fleet(n: usize, args: &[&str]) -> Vec<SimEngine> {
+        (0..n)
+            .map(|i| {
+                let id = format!("e{i}");
+                let mut a = vec!["--id", id.as_str()];
+                a.extend_from_slice(args);
+                SimEngine::spawn(&a)
+            })
+            .collect()
+    }
+
+    /// Requests the engine generated for (`vllm:request_success_total`; in
+    /// zero-cost mode dropped streams count too).
+    pub fn requests_served(&self) -> u64 {
+        let m =
+            crate::http::request(self.addr, "GET", "/metrics", &[], b"").expect("engine /metrics");
+        m.text()
+            .lines()
+            .find(|l| l.starts_with("vllm:request_success_total"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .map_or(0, |v| v as u64)
+    }
+
     /// `http://ADDR`.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)

@@ -21,10 +21,16 @@ fn connections_held_by_others_shift_cold_requests_away() {
         eprintln!("skipped: attaching XDP needs root (CI runs as root)");
         return;
     }
-    let e: Vec<_> = (0..3).map(|i| SimEngine::spawn(&["--time-scale", "0", "--id", &format!("e{i}")])).collect();
+    let e: Vec<_> = (0..3)
+        .map(|i| SimEngine::spawn(&["--time-scale", "0", "--id", &format!("e{i}")]))
+        .collect();
     let urls: Vec<_> = e.iter().map(SimEngine::url).collect();
     // `required`: fail loudly rather than pass without the signal.
-    let r = Router::spawn(&urls, &[], "[ebpf]\nmode = \"required\"\ninterfaces = [\"lo\"]\nrefresh_ms = 50\n");
+    let r = Router::spawn(
+        &urls,
+        &[],
+        "[ebpf]\nmode = \"required\"\ninterfaces = [\"lo\"]\nrefresh_ms = 50\n",
+    );
     let cold = |tag: &str, n: usize| -> Vec<String> {
         (0..n)
             .map(|i| {
@@ -38,10 +44,15 @@ fn connections_held_by_others_shift_cold_requests_away() {
             .collect()
     };
     let before = cold("before", 30);
-    assert!(before.iter().any(|id| id == "e0"), "e0 takes cold prompts when idle: {before:?}");
+    assert!(
+        before.iter().any(|id| id == "e0"),
+        "e0 takes cold prompts when idle: {before:?}"
+    );
 
     // 40 connections to e0 that do not go through the router.
-    let held: Vec<TcpStream> = (0..40).map(|_| TcpStream::connect(e[0].addr).unwrap()).collect();
+    let held: Vec<TcpStream> = (0..40)
+        .map(|_| TcpStream::connect(e[0].addr).unwrap())
+        .collect();
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let b = r.backends();
@@ -49,19 +60,35 @@ fn connections_held_by_others_shift_cold_requests_away() {
         if ext >= 40 {
             break;
         }
-        assert!(Instant::now() < deadline, "XDP never saw the 40 connections: {b:?}");
+        assert!(
+            Instant::now() < deadline,
+            "XDP never saw the 40 connections: {b:?}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let during = cold("during", 30);
-    assert!(!during.iter().any(|id| id == "e0"), "cold requests still went to the loaded e0: {during:?}");
+    assert!(
+        !during.iter().any(|id| id == "e0"),
+        "cold requests still went to the loaded e0: {during:?}"
+    );
 
     // Closed again: e0 is back in the rotation.
     drop(held);
     let deadline = Instant::now() + Duration::from_secs(5);
-    while r.backends()[0]["external_connections"].as_u64().unwrap_or(99) > 0 {
-        assert!(Instant::now() < deadline, "XDP never saw the connections close");
+    while r.backends()[0]["external_connections"]
+        .as_u64()
+        .unwrap_or(99)
+        > 0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "XDP never saw the connections close"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let after = cold("after", 30);
-    assert!(after.iter().any(|id| id == "e0"), "e0 takes cold prompts again: {after:?}");
+    assert!(
+        after.iter().any(|id| id == "e0"),
+        "e0 takes cold prompts again: {after:?}"
+    );
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use testkit::engine_proc::SimEngine;
-use testkit::http::{Response, post_json, request, request_chunks};
+use testkit::http::{Response, post_json, request_chunks};
 use testkit::proc::free_port;
 use testkit::router_proc::Router;
 
@@ -27,17 +27,6 @@ fn chat(user: &str, max_tokens: u32, stream: bool) -> serde_json::Value {
 
 fn post_chat(r: &Router, user: &str) -> Response {
     post_json(r.addr, "/v1/chat/completions", &chat(user, 2, false)).expect("request")
-}
-
-/// The engine's `vllm:request_success_total` (in zero-cost mode every request
-/// it generated for, dropped streams included).
-fn engine_requests(e: &SimEngine) -> u64 {
-    let m = request(e.addr, "GET", "/metrics", &[], b"").expect("engine /metrics");
-    m.text()
-        .lines()
-        .find(|l| l.starts_with("vllm:request_success_total"))
-        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .map_or(0, |v| v as u64)
 }
 
 fn assert_openai_error(r: &Response, status: u16) {
@@ -296,8 +285,9 @@ fn refused_connections_are_retried_on_another_backend() {
     let r = Router::spawn(
         &[closed.clone(), refusing.url(), good.url()],
         &["--policy", "round-robin", "--health-interval-ms", "0"],
-        // Keep the broken ones in rotation so every request meets them.
-        "[health]\npassive_fall = 1000\n",
+        // Keep the broken ones in rotation so every request meets them, and
+        // let every request retry twice (the default budget allows 20%).
+        "[health]\npassive_fall = 1000\n[retry]\nbudget_percent = 200\n",
     );
     for i in 0..12 {
         let resp = post_chat(&r, &format!("q{i}"));
@@ -365,12 +355,12 @@ fn a_request_is_not_sent_twice_once_the_engine_answered_bytes() {
     }
     assert!(truncated > 0 && complete > 0, "{truncated} {complete}");
     assert_eq!(
-        engine_requests(&dropping),
+        SimEngine::requests_served(&dropping),
         truncated,
         "each truncated request reached the dropping engine exactly once"
     );
     assert_eq!(
-        engine_requests(&good),
+        SimEngine::requests_served(&good),
         complete,
         "and none was replayed on the good one"
     );

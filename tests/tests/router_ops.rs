@@ -13,17 +13,6 @@ fn chat(system: &str, max_tokens: u32) -> serde_json::Value {
         {"role": "system", "content": system}, {"role": "user", "content": "hi"}]})
 }
 
-fn engines(n: usize, args: &[&str]) -> Vec<SimEngine> {
-    (0..n)
-        .map(|i| {
-            let id = format!("e{i}");
-            let mut a = vec!["--id", id.as_str()];
-            a.extend_from_slice(args);
-            SimEngine::spawn(&a)
-        })
-        .collect()
-}
-
 fn served_by(r: &Router, system: &str) -> String {
     let resp = post_json(r.addr, "/v1/chat/completions", &chat(system, 1)).unwrap();
     assert_eq!(resp.status, 200, "{}", resp.text());
@@ -60,7 +49,7 @@ fn signal(pid: u32, sig: i32) {
 
 #[test]
 fn a_drained_backend_gets_no_new_requests_until_undrained() {
-    let e = engines(2, &["--time-scale", "0"]);
+    let e = SimEngine::fleet(2, &["--time-scale", "0"]);
     let r = Router::spawn(&[e[0].url(), e[1].url()], &[], "");
     let drain = admin_post(&r, &format!("/admin/drain?backend={}", e[0].url()), b"");
     assert_eq!(drain.status, 200);
@@ -87,7 +76,7 @@ fn a_drained_backend_gets_no_new_requests_until_undrained() {
 
 #[test]
 fn explain_says_where_a_request_would_go_and_why() {
-    let e = engines(3, &["--time-scale", "0"]);
+    let e = SimEngine::fleet(3, &["--time-scale", "0"]);
     let r = Router::spawn(&e.iter().map(SimEngine::url).collect::<Vec<_>>(), &[], "");
     let body =
         serde_json::to_vec(&chat(&"You are a support bot for ACME. ".repeat(20), 1)).unwrap();
@@ -108,7 +97,7 @@ fn explain_says_where_a_request_would_go_and_why() {
 
 #[test]
 fn sighup_reload_adds_and_removes_backends_without_dropping_a_stream() {
-    let e = engines(
+    let e = SimEngine::fleet(
         3,
         &[
             "--decode-step-ms",
@@ -159,7 +148,7 @@ fn sighup_reload_adds_and_removes_backends_without_dropping_a_stream() {
 
 #[test]
 fn sigterm_finishes_in_flight_streams_then_exits() {
-    let e = engines(
+    let e = SimEngine::fleet(
         1,
         &[
             "--decode-step-ms",
@@ -193,7 +182,7 @@ fn sigterm_finishes_in_flight_streams_then_exits() {
 
 #[test]
 fn metrics_headers_and_json_logs() {
-    let e = engines(2, &["--time-scale", "0"]);
+    let e = SimEngine::fleet(2, &["--time-scale", "0"]);
     let r = Router::spawn(&[e[0].url(), e[1].url()], &["--log-json"], "");
     let resp = post_json(r.addr, "/v1/chat/completions", &chat("metrics", 1)).unwrap();
     assert!(

@@ -8,17 +8,6 @@ use testkit::engine_proc::SimEngine;
 use testkit::router_proc::Router;
 use testkit::workload::{RunConfig, Scenario, ScenarioKind, Summary, run_blocking};
 
-fn engines(n: usize, args: &[&str]) -> Vec<SimEngine> {
-    (0..n)
-        .map(|i| {
-            let id = format!("e{i}");
-            let mut a = vec!["--id", id.as_str()];
-            a.extend_from_slice(args);
-            SimEngine::spawn(&a)
-        })
-        .collect()
-}
-
 fn urls(engines: &[SimEngine]) -> Vec<String> {
     engines.iter().map(SimEngine::url).collect()
 }
@@ -38,7 +27,7 @@ fn run(
 
 #[test]
 fn conversations_stay_on_their_backend() {
-    let e = engines(3, &["--time-scale", "0.002"]);
+    let e = SimEngine::fleet(3, &["--time-scale", "0.002"]);
     let r = Router::spawn(&urls(&e), &[], "");
     let (records, s) = run(&r, Scenario::new(ScenarioKind::Chat), 6, 90);
     assert_eq!(s.ok, 90, "{s}");
@@ -80,7 +69,7 @@ fn prefix_hit_rate_is_near_the_ceiling_and_far_above_round_robin() {
     scenario.prefixes = 6;
     let mut results = BTreeMap::new();
     for policy in ["prefix", "round-robin"] {
-        let e = engines(4, &engine_args);
+        let e = SimEngine::fleet(4, &engine_args);
         let r = Router::spawn(&urls(&e), &["--policy", policy], "");
         let (_, s) = run(&r, scenario.clone(), 16, 240);
         assert_eq!(s.ok, 240, "{policy}: {s}");
@@ -112,7 +101,7 @@ fn prefix_hit_rate_is_near_the_ceiling_and_far_above_round_robin() {
 #[test]
 fn a_hot_system_prompt_is_spread_within_the_load_bound() {
     // Real-time-ish engines so requests overlap and load is visible.
-    let e = engines(4, &["--time-scale", "0.05"]);
+    let e = SimEngine::fleet(4, &["--time-scale", "0.05"]);
     let r = Router::spawn(&urls(&e), &[], "");
     let mut scenario = Scenario::new(ScenarioKind::HotPrefix);
     scenario.prefixes = 1;

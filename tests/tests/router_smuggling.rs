@@ -129,17 +129,6 @@ fn exchange(addr: SocketAddr, raw: &[u8]) -> Vec<Answer> {
     parse_answers(&buf, closed)
 }
 
-/// The engine's count of requests it generated for (zero-cost mode counts
-/// each one as it is answered).
-fn engine_requests(e: &SimEngine) -> u64 {
-    let m = request(e.addr, "GET", "/metrics", &[], b"").expect("engine /metrics");
-    m.text()
-        .lines()
-        .find(|l| l.starts_with("vllm:request_success_total"))
-        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .map_or(0, |v| v as u64)
-}
-
 /// Sends valid requests from another thread until dropped; the join result
 /// is how many were sent, each of which must have been a 200.
 struct Bystander {
@@ -293,7 +282,7 @@ fn smuggling_shapes_are_refused_and_never_reach_the_engine() {
             413,
         ),
     ];
-    let before = engine_requests(&e);
+    let before = SimEngine::requests_served(&e);
     for (what, raw, status) in &cases {
         let answers = exchange(r.addr, raw.as_bytes());
         assert_eq!(answers.len(), 1, "{what}: exactly one answer");
@@ -314,7 +303,7 @@ fn smuggling_shapes_are_refused_and_never_reach_the_engine() {
     let served = bystander.finish();
     assert!(served > 0);
     assert_eq!(
-        engine_requests(&e) - before,
+        SimEngine::requests_served(&e) - before,
         served as u64,
         "the engine saw the bystander's requests and nothing smuggled"
     );
