@@ -1,1 +1,35 @@
-//! Benchmark harness for prefix-router.
+//! Benchmark harness for prefix-router: the demo, the router-overhead bench
+//! against direct and nginx, the routing-quality bench, and their reports.
+//!
+//! The `prefix-bench` binary drives it; `cargo xtask demo` and `cargo xtask
+//! bench` build the release binaries and run it. The criterion
+//! micro-benchmarks live in `benches/hot_path.rs`.
+//!
+//! Modules:
+//! - [`fleet`]: child processes (engines, router, nginx) that always die with
+//!   the harness, also on Ctrl-C;
+//! - [`loadgen`]: the closed-loop HTTP/1.1 load generator (one thread, like
+//!   `wrk -t1`), hdrhistogram latencies;
+//! - [`cpu`]: CPU time of a process and its children from `/proc`;
+//! - [`nginx`]: the baseline proxy's config;
+//! - [`body`]: request bodies of a given size;
+//! - [`overhead`], [`quality`], [`demo`]: the three measurements;
+//! - [`micro`]: criterion's figures read back from its output folder;
+//! - [`report`], [`charts`]: Markdown, JSON, SVG, and the comparison with a
+//!   previous run.
+//!
+//! Invariants: every child process is registered in [`fleet`] and killed on
+//! drop, on panic and on SIGINT/SIGTERM; every loop is bounded in time; all
+//! traffic goes to 127.0.0.1.
+
+pub mod body;
+pub mod charts;
+pub mod cpu;
+pub mod demo;
+pub mod fleet;
+pub mod loadgen;
+pub mod micro;
+pub mod nginx;
+pub mod overhead;
+pub mod quality;
+pub mod report;

@@ -5,6 +5,9 @@
 //! - `cargo xtask demo`: the router in front of a fleet of simulated engines.
 //! - `cargo xtask bench`: benchmarks, side by side with baselines.
 
+mod bench;
+mod demo;
+mod harness;
 mod setup;
 mod test;
 
@@ -23,11 +26,19 @@ enum Cmd {
     Setup,
     /// Set up, build, and run every test of the workspace.
     Test(test::Args),
+    /// Build, start a fleet of simulated engines behind prefix-router, and
+    /// compare routing policies on a chat workload (report with charts).
+    Demo(demo::Args),
+    /// Micro-benchmarks, router overhead against direct and nginx, routing
+    /// quality; results and a comparison with the previous run in results/.
+    Bench(bench::Args),
 }
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
         Cmd::Setup => setup::run(),
         Cmd::Test(args) => test::run(args),
+        Cmd::Demo(args) => demo::run(args),
+        Cmd::Bench(args) => bench::run(args),
     }
 }

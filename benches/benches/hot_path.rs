@@ -1,0 +1,147 @@
+//! Micro-benchmarks of the request path's hot structures: prompt extraction
+//! and block hashing (bytes per second), prefix-index lookup and insert (time
+//! per block), and selection (time per decision at 4 to 256 backends).
+//!
+//! `cargo bench -p router-benches --bench hot_path`; `cargo xtask bench` runs
+//! it and folds the figures into its results.
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use prefix_router::extract::{Endpoint, Extractor};
+use prefix_router::hash::{DEFAULT_BLOCK_BYTES, block_hashes, namespace_seed};
+use prefix_router::index::{MAX_BACKENDS, Matches, PrefixIndex};
+use prefix_router::select::{BackendLoad, Policy, PrefixParams, RouteInput, select};
+use router_benches::body::chat_body;
+use std::hint::black_box;
+
+/// Request bodies of these sizes: a short chat, a long chat, a long document.
+const SIZES: [(usize, &str); 3] = [(4 << 10, "4KB"), (64 << 10, "64KB"), (400 << 10, "400KB")];
+
+fn extraction(c: &mut Criterion) {
+    let mut g = c.benchmark_group("extract");
+    for (size, name) in SIZES {
+        let body = chat_body(size, 1);
+        let mut ex = Extractor::default();
+        let mut canon = Vec::new();
+        g.throughput(Throughput::Bytes(body.len() as u64));
+        g.bench_function(BenchmarkId::new("chat", name), |b| {
+            b.iter(|| {
+                ex.extract(Endpoint::Chat, black_box(&body), &mut canon)
+                    .expect("valid body");
+                black_box(canon.len())
+            })
+        });
+    }
+    g.finish();
+}
+
+fn hashing(c: &mut Criterion) {
+    let mut g = c.benchmark_group("hash");
+    for (size, name) in SIZES {
+        let text: Vec<u8> = (0..size).map(|i| b'a' + (i % 23) as u8).collect();
+        let seed = namespace_seed(&[b"sim-llama-8b"]);
+        let mut out = Vec::with_capacity(size / DEFAULT_BLOCK_BYTES);
+        g.throughput(Throughput::Bytes(size as u64));
+        g.bench_function(BenchmarkId::new("blocks", name), |b| {
+            b.iter(|| {
+                out.clear();
+                block_hashes(seed, black_box(&text), DEFAULT_BLOCK_BYTES, &mut out);
+                black_box(out.len())
+            })
+        });
+    }
+    g.finish();
+}
+
+/// Chained-looking block hashes: `n` distinct nonzero values per prompt `p`.
+fn prompt_hashes(p: u64, n: usize) -> Vec<u64> {
+    (0..n as u64)
+        .map(|i| prefix_router::select::mix(p.wrapping_mul(1 << 20) ^ i).max(1))
+        .collect()
+}
+
+fn index(c: &mut Criterion) {
+    let mut g = c.benchmark_group("index");
+    // 8 backends of 65536 blocks each, three quarters full: a busy fleet.
+    const BACKENDS: usize = 8;
+    const CAP: usize = 65_536;
+    const BLOCKS: usize = 256; // a 16 KB prompt at 64 B per block
+    let idx = PrefixIndex::new(BACKENDS * CAP);
+    for b in 0..BACKENDS {
+        idx.set_capacity(b, CAP);
+    }
+    for p in 0..(BACKENDS * CAP * 3 / 4 / BLOCKS) as u64 {
+        idx.insert((p as usize) % BACKENDS, &prompt_hashes(p, BLOCKS));
+    }
+    let hit = prompt_hashes(7, BLOCKS);
+    let mut m: Matches = [0; MAX_BACKENDS];
+    let all = (1u64 << BACKENDS) - 1;
+    g.throughput(Throughput::Elements(BLOCKS as u64));
+    g.bench_function("lookup_hit", |b| {
+        b.iter(|| black_box(idx.longest_matches(black_box(&hit), all, &mut m)))
+    });
+    let miss = prompt_hashes(u64::MAX / 3, BLOCKS);
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("lookup_miss", |b| {
+        b.iter(|| black_box(idx.longest_matches(black_box(&miss), all, &mut m)))
+    });
+    // Insert of blocks the backend already holds (the lock-free common case).
+    g.throughput(Throughput::Elements(BLOCKS as u64));
+    g.bench_function("insert_held", |b| {
+        b.iter(|| idx.insert(7 % BACKENDS, black_box(&hit)))
+    });
+    // Insert of new blocks: claims slots and, at capacity, evicts.
+    let fresh: Vec<Vec<u64>> = (0..512u64)
+        .map(|p| prompt_hashes(1_000_000 + p, BLOCKS))
+        .collect();
+    let mut k = 0usize;
+    g.bench_function("insert_new", |b| {
+        b.iter(|| {
+            k = k.wrapping_add(1);
+            idx.insert(k % BACKENDS, &fresh[k % fresh.len()]);
+        })
+    });
+    g.finish();
+}
+
+fn selection(c: &mut Criterion) {
+    let mut g = c.benchmark_group("select");
+    let params = PrefixParams {
+        epsilon: 0.25,
+        slack: 2,
+        in_flight_cost_blocks: 2.0,
+        min_match_blocks: 1,
+    };
+    g.throughput(Throughput::Elements(1));
+    for n in [4usize, 16, 64, 256] {
+        let loads: Vec<BackendLoad> = (0..n)
+            .map(|i| BackendLoad {
+                eligible: true,
+                in_flight: (i % 7) as u32,
+                queued_prefill_blocks: (i % 5) as u32 * 40,
+                external_conns: 0,
+                id_hash: prefix_router::select::mix(i as u64 + 1),
+            })
+            .collect();
+        let matches: Vec<u32> = (0..n).map(|i| if i % 3 == 0 { 100 } else { 0 }).collect();
+        let mut ticket = 0u64;
+        for policy in [Policy::Prefix, Policy::RoundRobin, Policy::LeastRequest] {
+            g.bench_function(BenchmarkId::new(policy.name(), n), |b| {
+                b.iter(|| {
+                    ticket = ticket.wrapping_add(1);
+                    let input = RouteInput {
+                        matches: &matches,
+                        blocks: 256,
+                        cold_key: ticket,
+                        session_key: None,
+                        ticket,
+                    };
+                    black_box(select(policy, black_box(&input), &loads, &params))
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, extraction, hashing, index, selection);
+criterion_main!(benches);

@@ -1,0 +1,170 @@
+//! SVG charts of a demo or bench run (plotters, SVG backend: no fonts or
+//! system libraries needed).
+
+use plotters::prelude::*;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+type Res = anyhow::Result<()>;
+
+/// Points of one engine's series, by engine id.
+pub type Series = BTreeMap<String, Vec<(f64, f64)>>;
+
+fn err<E: std::fmt::Display>(e: E) -> anyhow::Error {
+    anyhow::anyhow!("chart: {e}")
+}
+
+/// Cumulative distribution of TTFT per policy (x: ms, clipped at the largest p99).
+pub fn ttft_cdf(path: &Path, series: &[(String, Vec<f64>)]) -> Res {
+    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let p99 = |v: &Vec<f64>| {
+        let mut v = v.clone();
+        v.sort_by(f64::total_cmp);
+        v.get(((v.len() as f64) * 0.99) as usize)
+            .or(v.last())
+            .copied()
+            .unwrap_or(1.0)
+    };
+    let xmax = series.iter().map(|(_, v)| p99(v)).fold(1.0, f64::max) * 1.05;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("Time to first token, cumulative", ("sans-serif", 22))
+        .margin(14)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..xmax, 0.0..1.0)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("TTFT (ms)")
+        .y_desc("share of requests")
+        .draw()
+        .map_err(err)?;
+    for (i, (name, v)) in series.iter().enumerate() {
+        let mut v = v.clone();
+        v.sort_by(f64::total_cmp);
+        let n = v.len().max(1) as f64;
+        let pts: Vec<(f64, f64)> = v
+            .iter()
+            .enumerate()
+            .map(|(k, &x)| (x.min(xmax), (k + 1) as f64 / n))
+            .collect();
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+            .map_err(err)?
+            .label(name.as_str())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)
+}
+
+/// Requests in flight per engine over time, one panel per policy.
+pub fn load_over_time(path: &Path, panels: &[(String, Series)]) -> Res {
+    let h = 260 * panels.len().max(1) as u32;
+    let root = SVGBackend::new(path, (900, h)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let areas = root.split_evenly((panels.len().max(1), 1));
+    let ymax = panels
+        .iter()
+        .flat_map(|(_, m)| m.values().flatten().map(|p| p.1))
+        .fold(1.0, f64::max)
+        * 1.1;
+    let xmax = panels
+        .iter()
+        .flat_map(|(_, m)| m.values().flatten().map(|p| p.0))
+        .fold(1.0, f64::max);
+    for (area, (policy, series)) in areas.iter().zip(panels) {
+        let mut chart = ChartBuilder::on(area)
+            .caption(
+                format!("{policy}: requests in flight per engine"),
+                ("sans-serif", 18),
+            )
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(40)
+            .build_cartesian_2d(0.0..xmax, 0.0..ymax)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .x_desc("seconds")
+            .draw()
+            .map_err(err)?;
+        for (i, (engine, pts)) in series.iter().enumerate() {
+            let color = Palette99::pick(i).to_rgba();
+            chart
+                .draw_series(LineSeries::new(pts.iter().copied(), color.stroke_width(1)))
+                .map_err(err)?
+                .label(engine.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.9))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+    }
+    root.present().map_err(err)
+}
+
+/// Hit rate per policy (bars) against the trace's ceiling (outline).
+pub fn hit_rate_bars(path: &Path, bars: &[(String, f64, f64)]) -> Res {
+    let root = SVGBackend::new(path, (900, 460)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let n = bars.len().max(1);
+    let names: Vec<String> = bars.iter().map(|b| b.0.clone()).collect();
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "Prefix-cache hit rate (filled) and the trace's ceiling (outline)",
+            ("sans-serif", 20),
+        )
+        .margin(14)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..n as f64, 0.0..100.0)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(n * 2 + 1)
+        .x_label_formatter(&|x| {
+            let i = x.floor() as usize;
+            if (x - i as f64 - 0.5).abs() < 0.26 {
+                names.get(i).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .y_desc("% of prompt tokens")
+        .draw()
+        .map_err(err)?;
+    for (i, (_, hit, ceiling)) in bars.iter().enumerate() {
+        let x0 = i as f64 + 0.2;
+        let x1 = i as f64 + 0.8;
+        let color = Palette99::pick(i).to_rgba();
+        chart
+            .draw_series([Rectangle::new(
+                [(x0, 0.0), (x1, hit * 100.0)],
+                color.filled(),
+            )])
+            .map_err(err)?;
+        chart
+            .draw_series([Rectangle::new(
+                [(x0, 0.0), (x1, ceiling * 100.0)],
+                BLACK.stroke_width(1),
+            )])
+            .map_err(err)?;
+    }
+    root.present().map_err(err)
+}

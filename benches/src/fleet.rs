@@ -1,0 +1,254 @@
+//! The processes a benchmark starts: simulated engines, the router, nginx.
+//!
+//! Every child is registered here while it runs. [`install_signal_handler`]
+//! makes SIGINT/SIGTERM stop them all before the harness exits, drop guards
+//! stop them on the normal path and on panic, and each child gets
+//! `PR_SET_PDEATHSIG` so a harness killed with SIGKILL takes them along.
+
+use anyhow::{Context, bail};
+use std::net::{SocketAddr, TcpStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+use testkit::proc::Spawned;
+
+/// How long an engine, the router or nginx may take to start listening.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Pids of the children alive now.
+static CHILDREN: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+/// Set once SIGINT or SIGTERM arrived.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Whether the user asked to stop (Ctrl-C).
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::Relaxed)
+}
+
+/// On SIGINT or SIGTERM: stop every registered child (SIGTERM, then SIGKILL
+/// after half a second) and exit with 130.
+pub fn install_signal_handler() -> anyhow::Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
+    std::thread::spawn(move || {
+        if signals.forever().next().is_some() {
+            INTERRUPTED.store(true, Ordering::Relaxed);
+            let pids = CHILDREN.lock().map(|c| c.clone()).unwrap_or_default();
+            eprintln!("\ninterrupted: stopping {} processes", pids.len());
+            for &p in &pids {
+                signal(p, libc::SIGTERM);
+            }
+            std::thread::sleep(Duration::from_millis(500));
+            for &p in &pids {
+                signal(p, libc::SIGKILL);
+            }
+            std::process::exit(130);
+        }
+    });
+    Ok(())
+}
+
+fn signal(pid: u32, sig: i32) {
+    // SAFETY: kill(2) on a pid this process spawned and registered; a pid
+    // already reaped is removed from the registry before its guard drops.
+    unsafe {
+        libc::kill(pid as libc::pid_t, sig);
+    }
+}
+
+/// A running child process, stopped on drop.
+pub struct Child {
+    spawned: Spawned,
+    pub name: String,
+}
+
+impl Child {
+    /// Starts `cmd`, registered for cleanup, dying with the harness.
+    pub fn spawn(mut cmd: Command, name: &str) -> anyhow::Result<Child> {
+        if interrupted() {
+            bail!("interrupted");
+        }
+        // SAFETY: prctl is async-signal-safe; it only sets the death signal.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let spawned = Spawned::spawn(cmd, name).with_context(|| format!("spawn {name}"))?;
+        CHILDREN.lock().expect("registry").push(spawned.pid());
+        Ok(Child {
+            spawned,
+            name: name.to_string(),
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.spawned.pid()
+    }
+
+    /// The last 4 KiB of its stderr.
+    pub fn stderr_tail(&self) -> String {
+        self.spawned.stderr_tail(4096)
+    }
+
+    /// Waits for a stdout line starting with `prefix`.
+    pub fn wait_line(&self, prefix: &str) -> anyhow::Result<String> {
+        self.spawned
+            .wait_stdout_line(prefix, START_TIMEOUT)
+            .with_context(|| format!("{} did not start:\n{}", self.name, self.stderr_tail()))
+    }
+
+    /// Waits until `addr` accepts TCP connections.
+    pub fn wait_port(&mut self, addr: SocketAddr) -> anyhow::Result<()> {
+        let deadline = Instant::now() + START_TIMEOUT;
+        while Instant::now() < deadline {
+            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+                return Ok(());
+            }
+            if !self.spawned.is_running() {
+                bail!("{} exited:\n{}", self.name, self.stderr_tail());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        bail!(
+            "{} does not listen on {addr}:\n{}",
+            self.name,
+            self.stderr_tail()
+        )
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let pid = self.spawned.pid();
+        self.spawned.stop();
+        if let Ok(mut c) = CHILDREN.lock() {
+            c.retain(|&p| p != pid);
+        }
+    }
+}
+
+/// Where the release binaries are (`prefix-router`, `sim-engine`).
+#[derive(Clone, Debug)]
+pub struct Bins {
+    pub dir: PathBuf,
+}
+
+impl Bins {
+    /// `dir`, or the folder of the running executable.
+    pub fn new(dir: Option<PathBuf>) -> anyhow::Result<Bins> {
+        let dir = match dir {
+            Some(d) => d,
+            None => std::env::current_exe()?
+                .parent()
+                .context("exe has a folder")?
+                .to_path_buf(),
+        };
+        for b in ["prefix-router", "sim-engine"] {
+            if !dir.join(b).exists() {
+                bail!("{} not found in {}: build it first", b, dir.display());
+            }
+        }
+        Ok(Bins { dir })
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+}
+
+/// A running `sim-engine`.
+pub struct Engine {
+    pub addr: SocketAddr,
+    pub id: String,
+    pub child: Child,
+}
+
+impl Engine {
+    /// Starts `sim-engine --id ID ARGS` on a free port.
+    pub fn start(bins: &Bins, id: &str, args: &[String]) -> anyhow::Result<Engine> {
+        let mut cmd = Command::new(bins.path("sim-engine"));
+        cmd.args(["--listen", "127.0.0.1:0", "--id", id]).args(args);
+        cmd.env("RUST_LOG", "warn");
+        let child = Child::spawn(cmd, &format!("sim-engine {id}"))?;
+        let line = child.wait_line("listening on ")?;
+        let addr = line.trim().parse().context("engine address")?;
+        Ok(Engine {
+            addr,
+            id: id.to_string(),
+            child,
+        })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+/// Starts `n` engines named `engine-0..n`.
+pub fn start_engines(bins: &Bins, n: usize, args: &[String]) -> anyhow::Result<Vec<Engine>> {
+    (0..n)
+        .map(|i| Engine::start(bins, &format!("engine-{i}"), args))
+        .collect()
+}
+
+/// A running `prefix-router`.
+pub struct Router {
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub child: Child,
+}
+
+impl Router {
+    /// Starts `prefix-router` in front of `engines` with `policy` and extra
+    /// `args`; waits for its admin `/health`.
+    pub fn start(
+        bins: &Bins,
+        engines: &[Engine],
+        policy: &str,
+        args: &[String],
+    ) -> anyhow::Result<Router> {
+        let port = testkit::proc::free_port();
+        let admin_port = testkit::proc::free_port();
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+        let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse()?;
+        let mut cmd = Command::new(bins.path("prefix-router"));
+        cmd.args(["--listen", &addr.to_string()])
+            .args(["--admin-listen", &admin.to_string()])
+            .args(["--policy", policy])
+            .args(["--log-level", "warn"])
+            .args(args);
+        for e in engines {
+            cmd.args(["--backend", &e.url()]);
+        }
+        let mut child = Child::spawn(cmd, "prefix-router")?;
+        child.wait_port(addr)?;
+        if !testkit::proc::wait_http_ready(admin, "/health", START_TIMEOUT) {
+            bail!("prefix-router admin not ready:\n{}", child.stderr_tail());
+        }
+        Ok(Router { addr, admin, child })
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// `GET /metrics` on the admin listener.
+    pub fn metrics(&self) -> anyhow::Result<String> {
+        let r = testkit::http::request(self.admin, "GET", "/metrics", &[], b"")?;
+        Ok(String::from_utf8_lossy(&r.body).into_owned())
+    }
+}
+
+/// The results folder `results/<kind>-<unix time>` under `root`.
+pub fn results_dir(root: &Path, kind: &str) -> PathBuf {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    root.join(format!("{kind}-{secs}"))
+}

@@ -1,0 +1,292 @@
+//! The closed-loop HTTP/1.1 load generator: `concurrency` keep-alive
+//! connections on one thread (a current-thread tokio runtime, like `wrk -t1`),
+//! each sending the same request back to back and timing every answer.
+//!
+//! A run has a warm-up (not recorded) and a measured window; a request counts
+//! when it completes inside the window. The caller's probe runs at both ends
+//! of the window on the calling thread, so CPU counters read there cover
+//! exactly what was measured.
+
+use hdrhistogram::Histogram;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Longest time one request may take before its connection is dropped.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Latency histogram range: 1 us to 60 s at 3 significant digits.
+const HIST_MAX_NS: u64 = 60_000_000_000;
+
+/// What to send, where, and for how long.
+#[derive(Clone)]
+pub struct LoadSpec {
+    /// Connection `i` goes to `targets[i % len]`.
+    pub targets: Vec<SocketAddr>,
+    /// One complete HTTP/1.1 request, sent as is.
+    pub request: Arc<Vec<u8>>,
+    pub concurrency: usize,
+    pub warmup: Duration,
+    pub duration: Duration,
+}
+
+/// What a run measured in its window.
+#[derive(Clone)]
+pub struct LoadResult {
+    pub ok: u64,
+    pub errors: u64,
+    pub window_s: f64,
+    /// Request sent to last response byte, ns.
+    pub latency: Histogram<u64>,
+    /// Request sent to first response byte, ns.
+    pub first_byte: Histogram<u64>,
+    /// CPU seconds the load generator's thread used in the window.
+    pub loadgen_cpu_s: f64,
+}
+
+impl LoadResult {
+    pub fn rps(&self) -> f64 {
+        self.ok as f64 / self.window_s.max(1e-9)
+    }
+}
+
+fn hist() -> Histogram<u64> {
+    Histogram::new_with_bounds(1_000, HIST_MAX_NS, 3).expect("histogram bounds")
+}
+
+struct ConnStats {
+    ok: u64,
+    errors: u64,
+    latency: Histogram<u64>,
+    first_byte: Histogram<u64>,
+}
+
+/// Runs `spec`; calls `probe` when the measured window opens and when it
+/// closes (from this thread) and returns both values with the result.
+pub fn run<P: FnMut() -> f64>(spec: &LoadSpec, mut probe: P) -> anyhow::Result<(LoadResult, f64)> {
+    anyhow::ensure!(
+        !spec.targets.is_empty() && spec.concurrency > 0,
+        "nothing to load"
+    );
+    let start = Instant::now();
+    let t0 = start + spec.warmup;
+    let t1 = t0 + spec.duration;
+    let s = spec.clone();
+    let generator = std::thread::Builder::new().name("loadgen".into()).spawn(
+        move || -> anyhow::Result<(Vec<ConnStats>, f64)> {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(async move {
+                let cpu = tokio::spawn(async move {
+                    tokio::time::sleep_until(t0.into()).await;
+                    let a = crate::cpu::thread_cpu_s();
+                    tokio::time::sleep_until(t1.into()).await;
+                    crate::cpu::thread_cpu_s() - a
+                });
+                let mut tasks = Vec::with_capacity(s.concurrency);
+                for i in 0..s.concurrency {
+                    let addr = s.targets[i % s.targets.len()];
+                    let req = s.request.clone();
+                    tasks.push(tokio::spawn(conn_loop(addr, req, t0, t1)));
+                }
+                let mut out = Vec::with_capacity(tasks.len());
+                for t in tasks {
+                    out.push(t.await?);
+                }
+                Ok((out, cpu.await?))
+            })
+        },
+    )?;
+    std::thread::sleep(t0.saturating_duration_since(Instant::now()));
+    let a = probe();
+    std::thread::sleep(t1.saturating_duration_since(Instant::now()));
+    let b = probe();
+    let (stats, loadgen_cpu_s) = generator
+        .join()
+        .map_err(|_| anyhow::anyhow!("load generator panicked"))??;
+    let mut r = LoadResult {
+        ok: 0,
+        errors: 0,
+        window_s: (t1 - t0).as_secs_f64(),
+        latency: hist(),
+        first_byte: hist(),
+        loadgen_cpu_s,
+    };
+    for c in stats {
+        r.ok += c.ok;
+        r.errors += c.errors;
+        r.latency.add(&c.latency)?;
+        r.first_byte.add(&c.first_byte)?;
+    }
+    Ok((r, b - a))
+}
+
+async fn conn_loop(addr: SocketAddr, req: Arc<Vec<u8>>, t0: Instant, t1: Instant) -> ConnStats {
+    let mut st = ConnStats {
+        ok: 0,
+        errors: 0,
+        latency: hist(),
+        first_byte: hist(),
+    };
+    let mut buf = Vec::with_capacity(64 << 10);
+    let mut conn: Option<TcpStream> = None;
+    while Instant::now() < t1 {
+        let s = match conn.take() {
+            Some(s) => s,
+            None => match TcpStream::connect(addr).await {
+                Ok(s) => {
+                    let _ = s.set_nodelay(true);
+                    s
+                }
+                Err(_) => {
+                    st.errors += 1;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+        };
+        let start = Instant::now();
+        let r = tokio::time::timeout(REQUEST_TIMEOUT, exchange(s, &req, &mut buf)).await;
+        let end = Instant::now();
+        let in_window = end >= t0 && end <= t1;
+        match r {
+            Ok(Ok((s, status, first))) => {
+                conn = Some(s);
+                if in_window {
+                    if status == 200 {
+                        st.ok += 1;
+                        let _ = st.latency.record(ns(end - start));
+                        let _ = st.first_byte.record(ns(first - start));
+                    } else {
+                        st.errors += 1;
+                    }
+                }
+            }
+            _ => {
+                if in_window {
+                    st.errors += 1;
+                }
+            }
+        }
+    }
+    st
+}
+
+fn ns(d: Duration) -> u64 {
+    (d.as_nanos() as u64).clamp(1_000, HIST_MAX_NS)
+}
+
+/// Sends `req` and reads one whole response (Content-Length or chunked);
+/// returns the connection, the status and the instant of the first byte.
+async fn exchange(
+    mut s: TcpStream,
+    req: &[u8],
+    buf: &mut Vec<u8>,
+) -> std::io::Result<(TcpStream, u16, Instant)> {
+    let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
+    s.write_all(req).await?;
+    buf.clear();
+    let mut first = None;
+    let (status, head_len, body) = loop {
+        read_more(&mut s, buf).await?;
+        first.get_or_insert_with(Instant::now);
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut resp = httparse::Response::new(&mut headers);
+        match resp.parse(buf).map_err(|e| bad(&e.to_string()))? {
+            httparse::Status::Partial => continue,
+            httparse::Status::Complete(n) => {
+                let mut body = Body::Empty;
+                for h in resp.headers.iter() {
+                    if h.name.eq_ignore_ascii_case("content-length") {
+                        let v = std::str::from_utf8(h.value).map_err(|_| bad("length"))?;
+                        body = Body::Length(v.trim().parse().map_err(|_| bad("length"))?);
+                    } else if h.name.eq_ignore_ascii_case("transfer-encoding")
+                        && h.value.eq_ignore_ascii_case(b"chunked")
+                    {
+                        body = Body::Chunked;
+                    }
+                }
+                break (resp.code.unwrap_or(0), n, body);
+            }
+        }
+    };
+    match body {
+        Body::Empty => {}
+        Body::Length(len) => {
+            while buf.len() < head_len + len {
+                read_more(&mut s, buf).await?;
+            }
+        }
+        Body::Chunked => {
+            let mut pos = head_len;
+            loop {
+                match next_chunk(&buf[pos..]).map_err(bad)? {
+                    Some((0, used)) => {
+                        pos += used;
+                        while buf.len() < pos + 2 {
+                            read_more(&mut s, buf).await?;
+                        }
+                        break;
+                    }
+                    Some((_, used)) => pos += used,
+                    None => read_more(&mut s, buf).await?,
+                }
+            }
+        }
+    }
+    Ok((s, status, first.unwrap_or_else(Instant::now)))
+}
+
+enum Body {
+    Empty,
+    Length(usize),
+    Chunked,
+}
+
+async fn read_more(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<()> {
+    if buf.capacity() - buf.len() < 16 << 10 {
+        buf.reserve(64 << 10);
+    }
+    let n = s.read_buf(buf).await?;
+    if n == 0 {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(())
+}
+
+/// One chunk at the start of `data`: its size and the bytes it takes (size
+/// line, data and CRLF; for the last chunk only its size line), or None when
+/// incomplete.
+fn next_chunk(data: &[u8]) -> Result<Option<(usize, usize)>, &'static str> {
+    let Some(eol) = data.windows(2).position(|w| w == b"\r\n") else {
+        return Ok(None);
+    };
+    let line = std::str::from_utf8(&data[..eol]).map_err(|_| "chunk size")?;
+    let hex = line.split(';').next().unwrap_or("").trim();
+    let size = usize::from_str_radix(hex, 16).map_err(|_| "chunk size")?;
+    if size == 0 {
+        return Ok(Some((0, eol + 2)));
+    }
+    let used = eol + 2 + size + 2;
+    Ok((data.len() >= used).then_some((size, used)))
+}
+
+/// Microseconds at quantile `q` of a ns histogram.
+pub fn q_us(h: &Histogram<u64>, q: f64) -> f64 {
+    h.value_at_quantile(q) as f64 / 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::next_chunk;
+
+    #[test]
+    fn chunks() {
+        assert_eq!(next_chunk(b"5\r\nhello\r\n0\r\n\r\n"), Ok(Some((5, 10))));
+        assert_eq!(next_chunk(b"5\r\nhel"), Ok(None));
+        assert_eq!(next_chunk(b"0\r\n\r\n"), Ok(Some((0, 3))));
+        assert!(next_chunk(b"zz\r\n").is_err());
+    }
+}
