@@ -40,14 +40,10 @@ impl Default for DemoCfg {
                 duration_s: 32.0,
                 seed: 7,
             },
-            timing: Timing {
-                time_scale: 0.25,
-                ..Timing::default()
-            },
-            // 4 engines x 512 blocks cannot hold 24 live conversations of up to
-            // ~95 blocks plus the system prompts everywhere; one engine holds
-            // its share when conversations stay put.
-            kv_blocks: 512,
+            timing: Timing::default(),
+            // One engine holds its share of the 24 live conversations (up to
+            // ~300 blocks each) when they stay put, not all of them.
+            kv_blocks: quality::kv_blocks_for(ScenarioKind::Chat),
             system_prompts: 4,
         }
     }
@@ -57,7 +53,7 @@ impl DemoCfg {
     pub fn scenario(&self) -> Scenario {
         Scenario {
             prefixes: self.system_prompts,
-            ..Scenario::new(ScenarioKind::Chat)
+            ..quality::scenario_for(ScenarioKind::Chat)
         }
     }
 }
@@ -228,6 +224,7 @@ pub fn table(r: &DemoResults) -> Table {
 
 fn markdown(r: &DemoResults, table: &Table) -> String {
     let c = &r.cfg;
+    let sc = c.scenario();
     let mut m = String::new();
     let _ = writeln!(m, "# prefix-router demo\n");
     let _ = writeln!(
@@ -239,8 +236,16 @@ fn markdown(r: &DemoResults, table: &Table) -> String {
     );
     let _ = writeln!(
         m,
-        "Workload: multi-turn chat, {} closed-loop users, {} shared system prompts of 500 tokens, 3-8 turns per conversation each resending the whole history, 64 output tokens per turn, streaming; {:.0} s per policy, seed {}. The ceiling is the hit rate one engine with an unbounded cache would reach on the same trace.\n",
-        c.drive.users, c.system_prompts, c.drive.duration_s, c.drive.seed
+        "Workload: multi-turn support chat, {} closed-loop users, {} shared system prompts of {} tokens, user turns of {} tokens, {}-{} turns per conversation each resending the whole history, {} output tokens per turn, streaming; {:.0} s per policy, seed {}. The ceiling is the hit rate one engine with an unbounded cache would reach on the same trace.\n",
+        c.drive.users,
+        c.system_prompts,
+        sc.prefix_tokens,
+        sc.user_tokens,
+        sc.turns.0,
+        sc.turns.1,
+        sc.max_tokens,
+        c.drive.duration_s,
+        c.drive.seed
     );
     let _ = writeln!(m, "{}", table.markdown());
     let _ = writeln!(

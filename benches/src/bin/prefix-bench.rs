@@ -48,8 +48,8 @@ struct DemoArgs {
     /// Closed-loop chat users.
     #[arg(long, default_value_t = 24)]
     users: usize,
-    /// KV-cache blocks per engine.
-    #[arg(long, default_value_t = 512)]
+    /// KV-cache blocks per engine (default: what the chat scenario is sized for).
+    #[arg(long, default_value_t = router_benches::quality::kv_blocks_for(testkit::workload::ScenarioKind::Chat))]
     kv_blocks: usize,
     /// Simulated time multiplier (1 = GPU speed).
     #[arg(long, default_value_t = 0.25)]
