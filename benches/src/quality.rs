@@ -319,7 +319,11 @@ pub fn run(
         let args = cfg.timing.engine_args(kv);
         // Chat is judged at steady state: long enough for conversations to
         // reach their later turns, where history dominates the prompt.
-        let drive = if kind == ScenarioKind::Chat { &cfg.chat_drive } else { &cfg.drive };
+        let drive = if kind == ScenarioKind::Chat {
+            &cfg.chat_drive
+        } else {
+            &cfg.drive
+        };
         for policy in &cfg.policies {
             tick(&format!("{} / {policy}", kind.name()));
             let run = policy_run(bins, &scenario, policy, &args, drive)?;

@@ -13,7 +13,7 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use crate::extract::{Endpoint, Extractor};
-use crate::router::{RouteRequest, RouteScratch, Router};
+use crate::router::{PromptBlocks, RouteRequest, RouteScratch, Router};
 
 /// Largest admin request body (`/admin/explain` takes a whole request body).
 const MAX_ADMIN_BODY: usize = 64 * 1024 * 1024;
@@ -180,7 +180,7 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
         Ok(p) => p,
         Err(e) => return (e.status(), json!({ "error": e.message })),
     };
-    let mut hashes = Vec::new();
+    let mut blocks = PromptBlocks::default();
     let routed = router.route(
         &RouteRequest {
             seed: p.seed,
@@ -188,7 +188,7 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
             has_prompt: true,
         },
         &mut scratch,
-        &mut hashes,
+        &mut blocks,
     );
     let fleet = &routed.fleet;
     let candidates: Vec<_> = routed
@@ -200,7 +200,7 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
         200,
         json!({
             "canonical_bytes": scratch.canonical.len(),
-            "blocks": hashes.len(),
+            "blocks": blocks.hashes.len(),
             "decision": routed.choice.decision,
             "matched_blocks": routed.choice.matched_blocks,
             "chosen": candidates.first(),

@@ -94,7 +94,7 @@ pub async fn forward(
     matched_blocks: u32,
 ) -> Result<bool, Failure> {
     let router = &worker.router;
-    let uncached = (c.hashes.len() as u32).saturating_sub(matched_blocks);
+    let uncached = (c.blocks.hashes.len() as u32).saturating_sub(matched_blocks);
     // Routing saw room, but workers route concurrently: reserve the slot with
     // a compare-and-swap so the limit holds exactly, then hand it to `inflight`.
     let max = cfg.limits.max_in_flight_per_backend;
@@ -112,7 +112,7 @@ pub async fn forward(
         // `inflight` counts the request now; give back the reservation.
         backend.state.in_flight.fetch_sub(1, Relaxed);
     }
-    router.learn(backend, &c.hashes);
+    router.learn(backend, &c.blocks);
 
     // A pooled connection may have been closed by the backend while idle; if
     // it fails before any response byte, one fresh connection is tried.

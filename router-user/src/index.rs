@@ -20,6 +20,9 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 
+/// A block [`PrefixIndex::longest_matches_noting`] found no slot for.
+pub const NOT_FOUND: u32 = u32::MAX;
+
 /// The most backends the index can tell apart (one bit each in a slot).
 pub const MAX_BACKENDS: usize = 64;
 
@@ -87,10 +90,26 @@ impl PrefixIndex {
     /// holds, for the backends in `candidates` (a bitmask); returns the mask
     /// of backends that hold at least one block.
     pub fn longest_matches(&self, hashes: &[u64], candidates: u64, out: &mut Matches) -> u64 {
+        self.longest_matches_noting(hashes, candidates, out, &mut Vec::new())
+    }
+
+    /// [`Self::longest_matches`], also noting in `found` (cleared first)
+    /// the slot of each block it looked at (`NOT_FOUND` where none), so that
+    /// [`Self::insert_noted`] need not probe for them again.
+    pub fn longest_matches_noting(
+        &self,
+        hashes: &[u64],
+        candidates: u64,
+        out: &mut Matches,
+        found: &mut Vec<u32>,
+    ) -> u64 {
+        found.clear();
         let mut alive = candidates;
         let mut any = 0;
         for (i, &h) in hashes.iter().enumerate() {
-            let owners = self.find(h).map_or(0, |s| s.owners.load(Relaxed));
+            let slot = self.find_index(h);
+            found.push(slot.map_or(NOT_FOUND, |j| j as u32));
+            let owners = slot.map_or(0, |j| self.slots[j].owners.load(Relaxed));
             let dropped = alive & !owners;
             for b in bits(dropped) {
                 out[b] = i as u32;
@@ -112,11 +131,21 @@ impl PrefixIndex {
     /// Records that `backend` now holds every block of `hashes` (it was sent
     /// the prompt) and touches blocks it already held.
     pub fn insert(&self, backend: usize, hashes: &[u64]) {
+        self.insert_noted(backend, hashes, &[]);
+    }
+
+    /// [`Self::insert`] with the slots a lookup noted for these hashes; a
+    /// noted slot is used when it still holds its block, else it is probed.
+    pub fn insert_noted(&self, backend: usize, hashes: &[u64], found: &[u32]) {
         let bit = 1u64 << backend;
         // The common case, a prompt the backend already holds, takes no lock.
         let mut first_new = hashes.len();
         for (i, &h) in hashes.iter().enumerate() {
-            match self.find(h) {
+            let noted = found
+                .get(i)
+                .and_then(|&j| self.slots.get(j as usize))
+                .filter(|s| s.key.load(Relaxed) == h);
+            match noted.or_else(|| self.find(h)) {
                 Some(s) if s.owners.load(Relaxed) & bit != 0 => {
                     if s.referenced.load(Relaxed) & bit == 0 {
                         s.referenced.fetch_or(bit, Relaxed);
@@ -137,7 +166,9 @@ impl PrefixIndex {
         if ring.capacity == 0 {
             return;
         }
-        for &h in &hashes[first_new..] {
+        // Tail first: within one prompt the ring then forgets the tail before
+        // the head, as engines evict (a prefix outlives its extensions).
+        for &h in hashes[first_new..].iter().rev() {
             let slot = self.find_or_claim(h);
             let prev = slot.owners.fetch_or(bit, Relaxed);
             if prev & bit == 0 {
@@ -213,10 +244,21 @@ impl PrefixIndex {
     }
 
     fn find(&self, h: u64) -> Option<&Slot> {
+        self.find_index(h).map(|j| &self.slots[j])
+    }
+
+    fn find_index(&self, h: u64) -> Option<usize> {
         let home = self.home(h);
+        let n = self.slots.len();
         (0..PROBE)
-            .map(|i| self.at(home, i))
-            .find(|s| s.key.load(Relaxed) == h)
+            .map(|i| {
+                if home + i >= n {
+                    home + i - n
+                } else {
+                    home + i
+                }
+            })
+            .find(|&j| self.slots[j].key.load(Relaxed) == h)
     }
 
     /// The slot holding `h`, claiming an empty one or, when all probed slots

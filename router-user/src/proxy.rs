@@ -21,7 +21,7 @@ use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{self, BodyFraming, RequestHead};
 use crate::io::{Read, read_more, write_all};
 use crate::pool::Pool;
-use crate::router::{RouteRequest, RouteScratch, Routed, Router};
+use crate::router::{PromptBlocks, RouteRequest, RouteScratch, Routed, Router};
 
 /// Buffers that grew past this for one large request are given back after it,
 /// so idle connections stay small.
@@ -64,7 +64,7 @@ pub struct ClientConn {
     pub out: Vec<u8>,
     /// Response bytes read from the backend.
     pub rbuf: Vec<u8>,
-    pub hashes: Vec<u64>,
+    pub blocks: PromptBlocks,
 }
 
 /// Serves a client connection until it closes, errs or idles out.
@@ -78,7 +78,7 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: SocketAddr) {
         fwd: Vec::with_capacity(1024),
         out: Vec::with_capacity(1024),
         rbuf: Vec::new(),
-        hashes: Vec::new(),
+        blocks: PromptBlocks::default(),
     };
     loop {
         let cfg = worker.router.config.load_full();
@@ -258,7 +258,7 @@ fn route_once(
         session: head.session.or(user),
         has_prompt,
     };
-    Ok(worker.router.route(&req, route_scratch, &mut c.hashes))
+    Ok(worker.router.route(&req, route_scratch, &mut c.blocks))
 }
 
 /// Whether a request that found no candidate should wait: some backend is up
@@ -424,8 +424,8 @@ fn shrink(c: &mut ClientConn) {
             b.shrink_to(KEEP_BUFFER / 4);
         }
     }
-    if c.hashes.capacity() > KEEP_BUFFER / 8 {
-        c.hashes = Vec::new();
+    if c.blocks.hashes.capacity() > KEEP_BUFFER / 8 {
+        c.blocks = PromptBlocks::default();
     }
 }
 

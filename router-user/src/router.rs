@@ -73,6 +73,15 @@ pub struct RouteScratch {
     matches: Vec<u32>,
 }
 
+/// A request's prompt blocks: their chained hashes, and the index slots the
+/// lookup found them in (so learning them does not probe again). Owned by
+/// the connection, reused across its requests.
+#[derive(Default)]
+pub struct PromptBlocks {
+    pub hashes: Vec<u64>,
+    pub found: Vec<u32>,
+}
+
 /// What routing decided for one request.
 pub struct Routed {
     pub choice: Choice,
@@ -128,8 +137,9 @@ impl Router {
         &self,
         req: &RouteRequest,
         scratch: &mut RouteScratch,
-        hashes: &mut Vec<u64>,
+        blocks: &mut PromptBlocks,
     ) -> Routed {
+        let PromptBlocks { hashes, found } = blocks;
         let cfg = self.config.load();
         let fleet = self.fleet.load_full();
         hashes.clear();
@@ -139,7 +149,7 @@ impl Router {
         let mut matches: Matches = [0; MAX_BACKENDS];
         if cfg.policy == Policy::Prefix && !hashes.is_empty() {
             self.index
-                .longest_matches(hashes, fleet.slot_mask(), &mut matches);
+                .longest_matches_noting(hashes, fleet.slot_mask(), &mut matches, found);
         }
         scratch.loads.clear();
         scratch.matches.clear();
@@ -196,9 +206,10 @@ impl Router {
     }
 
     /// Records that `backend` was sent the prompt with these block hashes.
-    pub fn learn(&self, backend: &Backend, hashes: &[u64]) {
-        if !hashes.is_empty() && self.config.load().policy == Policy::Prefix {
-            self.index.insert(backend.slot, hashes);
+    pub fn learn(&self, backend: &Backend, blocks: &PromptBlocks) {
+        if !blocks.hashes.is_empty() && self.config.load().policy == Policy::Prefix {
+            self.index
+                .insert_noted(backend.slot, &blocks.hashes, &blocks.found);
         }
     }
 }

@@ -8,6 +8,16 @@ use testkit::engine_proc::SimEngine;
 use testkit::http::{post_json, request, request_chunks};
 use testkit::router_proc::Router;
 
+/// Engines that take 50 ms per token: a 20-token stream lasts about a second.
+const SLOW_DECODE: &[&str] = &[
+    "--decode-step-ms",
+    "50",
+    "--decode-step-per-seq-ms",
+    "0",
+    "--prefill-tps",
+    "0",
+];
+
 fn chat(system: &str, max_tokens: u32) -> serde_json::Value {
     json!({"model": "sim-llama-8b", "max_tokens": max_tokens, "messages": [
         {"role": "system", "content": system}, {"role": "user", "content": "hi"}]})
@@ -97,17 +107,7 @@ fn explain_says_where_a_request_would_go_and_why() {
 
 #[test]
 fn sighup_reload_adds_and_removes_backends_without_dropping_a_stream() {
-    let e = SimEngine::fleet(
-        3,
-        &[
-            "--decode-step-ms",
-            "50",
-            "--decode-step-per-seq-ms",
-            "0",
-            "--prefill-tps",
-            "0",
-        ],
-    );
+    let e = SimEngine::fleet(3, SLOW_DECODE);
     let path = std::env::temp_dir().join(format!("router-ops-reload-{}.toml", std::process::id()));
     std::fs::write(&path, format!("backends = [\"{}\"]\n", e[1].url())).unwrap();
     let r = Router::spawn(&[], &["--config", path.to_str().unwrap()], "");
@@ -148,17 +148,7 @@ fn sighup_reload_adds_and_removes_backends_without_dropping_a_stream() {
 
 #[test]
 fn sigterm_finishes_in_flight_streams_then_exits() {
-    let e = SimEngine::fleet(
-        1,
-        &[
-            "--decode-step-ms",
-            "50",
-            "--decode-step-per-seq-ms",
-            "0",
-            "--prefill-tps",
-            "0",
-        ],
-    );
+    let e = SimEngine::fleet(1, SLOW_DECODE);
     let mut r = Router::spawn(&[e[0].url()], &[], "");
     let stream = slow_stream(r.addr);
     std::thread::sleep(Duration::from_millis(200));

@@ -24,7 +24,7 @@ fn longest_match_per_backend() {
 }
 
 #[test]
-fn capacity_is_held_and_oldest_blocks_go_first() {
+fn capacity_is_held_and_the_oldest_prompt_goes_first() {
     let idx = PrefixIndex::new(10_000);
     idx.set_capacity(0, 100);
     let old = chain(1, 60);
@@ -36,7 +36,10 @@ fn capacity_is_held_and_oldest_blocks_go_first() {
     idx.longest_matches(&new, 1, &mut m);
     assert_eq!(m[0], 60, "the newest prompt is kept whole");
     idx.longest_matches(&old, 1, &mut m);
-    assert_eq!(m[0], 0, "the oldest prompt lost its first blocks");
+    assert_eq!(
+        m[0], 40,
+        "the oldest prompt lost its last 20 blocks, not its head"
+    );
 }
 
 #[test]
@@ -100,4 +103,23 @@ proptest! {
             prop_assert!(m[b] as usize <= n);
         }
     }
+}
+
+#[test]
+fn noted_slots_are_used_only_while_they_hold_their_block() {
+    let idx = PrefixIndex::new(10_000);
+    idx.set_capacity(0, 1000);
+    idx.set_capacity(1, 1000);
+    let req = chain(9, 12);
+    idx.insert(0, &req);
+    let mut m = [0; MAX_BACKENDS];
+    let mut found = Vec::new();
+    idx.longest_matches_noting(&req, 0b11, &mut m, &mut found);
+    assert_eq!(found.len(), 12);
+    assert!(found.iter().all(|&f| f != NOT_FOUND));
+    // Stale notes (every slot pointing at the wrong place) are re-probed.
+    let stale: Vec<u32> = found.iter().map(|&f| (f + 1) % 1000).collect();
+    idx.insert_noted(1, &req, &stale);
+    idx.longest_matches(&req, 0b11, &mut m);
+    assert_eq!(&m[..2], &[12, 12]);
 }
