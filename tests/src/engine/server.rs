@@ -233,6 +233,21 @@ impl Server {
         r.map(|_| ka).map_err(|_| Dropped)
     }
 
+    /// A non-streaming answer's head and JSON body; with `dropped`, only the
+    /// first half of the body (the fault of a connection cut mid-answer).
+    fn json_answer(&self, out: &mut Vec<u8>, body: &[u8], keep_alive: bool, dropped: bool) {
+        http1::head(
+            out,
+            200,
+            "application/json",
+            Some(body.len()),
+            &self.engine_id,
+            keep_alive,
+        );
+        let keep = if dropped { body.len() / 2 } else { body.len() };
+        out.extend_from_slice(&body[..keep]);
+    }
+
     fn models_body(&self) -> Vec<u8> {
         let created = unix_now();
         let data: Vec<_> = self
@@ -359,21 +374,7 @@ impl Server {
                     out.extend_from_slice(http1::LAST_CHUNK);
                 }
             } else {
-                let body = resp.full_body(cached);
-                http1::head(
-                    out,
-                    200,
-                    "application/json",
-                    Some(body.len()),
-                    &self.engine_id,
-                    ka,
-                );
-                let keep = if drop_at.is_some() {
-                    body.len() / 2
-                } else {
-                    body.len()
-                };
-                out.extend_from_slice(&body[..keep]);
+                self.json_answer(out, &resp.full_body(cached), ka, drop_at.is_some());
             }
             s.write_all(out).await.map_err(|_| Dropped)?;
             return if drop_at.is_some() {
@@ -402,22 +403,13 @@ impl Server {
                 last = next_progress(s, buf, &mut rx).await.ok_or(Dropped)?;
             }
             drop(rx);
-            let body = resp.full_body(last.cached_tokens);
             out.clear();
-            http1::head(
+            self.json_answer(
                 out,
-                200,
-                "application/json",
-                Some(body.len()),
-                &self.engine_id,
+                &resp.full_body(last.cached_tokens),
                 ka,
+                drop_at.is_some(),
             );
-            let keep = if drop_at.is_some() {
-                body.len() / 2
-            } else {
-                body.len()
-            };
-            out.extend_from_slice(&body[..keep]);
             s.write_all(out).await.map_err(|_| Dropped)?;
             if drop_at.is_some() {
                 Err(Dropped)
