@@ -414,33 +414,20 @@ mod tests {
 
     #[test]
     fn errors() {
-        assert_eq!(
-            parse(ApiKind::Chat, b"{nope", &models(), 1)
-                .unwrap_err()
-                .status,
-            400
-        );
-        let unknown = br#"{"model":"x","messages":[]}"#;
-        assert_eq!(
-            parse(ApiKind::Chat, unknown, &models(), 1)
-                .unwrap_err()
-                .status,
-            404
-        );
-        let batch = br#"{"prompt":["a","b"]}"#;
-        assert_eq!(
-            parse(ApiKind::Completion, batch, &models(), 1)
-                .unwrap_err()
-                .status,
-            400
-        );
-        let zero = br#"{"prompt":"a","max_tokens":0}"#;
-        assert_eq!(
-            parse(ApiKind::Completion, zero, &models(), 1)
-                .unwrap_err()
-                .status,
-            400
-        );
+        let cases: [(ApiKind, &[u8], u16); 4] = [
+            (ApiKind::Chat, b"{nope", 400),
+            (ApiKind::Chat, br#"{"model":"x","messages":[]}"#, 404),
+            (ApiKind::Completion, br#"{"prompt":["a","b"]}"#, 400),
+            (
+                ApiKind::Completion,
+                br#"{"prompt":"a","max_tokens":0}"#,
+                400,
+            ),
+        ];
+        for (kind, body, status) in cases {
+            let err = parse(kind, body, &models(), 1).unwrap_err();
+            assert_eq!(err.status, status, "{}", String::from_utf8_lossy(body));
+        }
     }
 
     #[test]
