@@ -9,7 +9,7 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use prefix_router::extract::{Endpoint, Extractor};
 use prefix_router::hash::{DEFAULT_BLOCK_BYTES, block_hashes, namespace_seed};
 use prefix_router::index::{MAX_BACKENDS, Matches, PrefixIndex};
-use prefix_router::select::{BackendLoad, Policy, PrefixParams, RouteInput, select};
+use prefix_router::select::{BackendLoad, Policy, RouteInput, select};
 use router_benches::body::chat_body;
 use std::hint::black_box;
 
@@ -105,12 +105,7 @@ fn index(c: &mut Criterion) {
 
 fn selection(c: &mut Criterion) {
     let mut g = c.benchmark_group("select");
-    let params = PrefixParams {
-        epsilon: 0.25,
-        slack: 2,
-        in_flight_cost_blocks: 2.0,
-        min_match_blocks: 1,
-    };
+    let params = prefix_router::config::PrefixConfig::default().params();
     g.throughput(Throughput::Elements(1));
     for n in [4usize, 16, 64, 256] {
         let loads: Vec<BackendLoad> = (0..n)
@@ -118,8 +113,11 @@ fn selection(c: &mut Criterion) {
                 eligible: true,
                 in_flight: (i % 7) as u32,
                 queued_prefill_blocks: (i % 5) as u32 * 40,
-                external_conns: 0,
                 id_hash: prefix_router::select::mix(i as u64 + 1),
+                cached_blocks: (i % 4) as u32 * 500,
+                capacity_blocks: 4096,
+                prefill_rate: 600.0 + i as f32,
+                ..Default::default()
             })
             .collect();
         let matches: Vec<u32> = (0..n).map(|i| if i % 3 == 0 { 100 } else { 0 }).collect();

@@ -164,6 +164,18 @@ fn backends_json(router: &Router) -> serde_json::Value {
                 "index_blocks": blocks,
                 "index_share": blocks as f64 / total,
                 "kv_blocks": s.kv_blocks.load(Relaxed),
+                "learned_capacity_blocks": b.feedback.capacity(),
+                "capacity_known": b.feedback.known_capacity.load(Relaxed) > 0,
+                "prefill_blocks_per_s": b.feedback.prefill_rate(),
+                "prediction": {
+                    "reports": b.feedback.reports.load(Relaxed),
+                    "predicted_blocks": b.feedback.predicted_blocks.load(Relaxed),
+                    "reported_blocks": b.feedback.reported_blocks.load(Relaxed),
+                    "error_blocks": b.feedback.error_blocks.load(Relaxed),
+                    "over": b.feedback.over_predictions.load(Relaxed),
+                    "under": b.feedback.under_predictions.load(Relaxed),
+                    "flushes": b.feedback.flushes.load(Relaxed),
+                },
                 "requests": s.requests.load(Relaxed),
                 "errors": s.errors.load(Relaxed),
             })
@@ -196,6 +208,27 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
         .iter()
         .map(|i| fleet.backends[i].url.clone())
         .collect();
+    let policy = router.config.load().policy;
+    let scores = router.scores(&scratch, blocks.hashes.len() as u32);
+    let scored: Vec<_> = scores
+        .iter()
+        .map(|s| {
+            json!({
+                "url": fleet.backends[s.backend].url,
+                "predicted_ttft_ms": s.predicted_ttft_s * 1e3,
+                "matched_blocks": s.matched_blocks,
+                "queued_blocks": s.queued_blocks,
+                "uncached_blocks": s.uncached_blocks,
+                "move_blocks": s.move_blocks,
+                "in_flight_cost_blocks": s.in_flight_cost_blocks,
+                "overload_blocks": s.overload_blocks,
+                "prefill_blocks_per_s": s.prefill_blocks_per_s,
+                "over_safety_cap": s.capped,
+                "cache_pressure": s.pressure,
+            })
+        })
+        .collect();
+    let why = why(policy, &routed, &scores, fleet);
     (
         200,
         json!({
@@ -204,10 +237,63 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
             "decision": routed.choice.decision,
             "matched_blocks": routed.choice.matched_blocks,
             "chosen": candidates.first(),
+            "why": why,
+            "candidates": scored,
             "fallbacks": candidates.get(1..).unwrap_or(&[]),
             "backends": backends_json(router)["backends"],
         }),
     )
+}
+
+/// One sentence on why the first candidate won.
+fn why(
+    policy: crate::select::Policy,
+    routed: &crate::router::Routed,
+    scores: &[crate::select::Score],
+    fleet: &crate::backend::Fleet,
+) -> String {
+    use crate::select::{Decision, Policy};
+    let Some(first) = routed.choice.first() else {
+        return "no backend is eligible (unhealthy, draining or at its in-flight limit)".into();
+    };
+    let url = &fleet.backends[first].url;
+    let ms = |b: usize| {
+        scores
+            .iter()
+            .find(|s| s.backend == b)
+            .map_or(f64::NAN, |s| s.predicted_ttft_s * 1e3)
+    };
+    match (policy, routed.choice.decision) {
+        (Policy::Prefix, Decision::Warm) => format!(
+            "{url} holds the longest prefix ({} blocks) and its predicted TTFT ({:.1} ms) is the lowest",
+            routed.choice.matched_blocks,
+            ms(first)
+        ),
+        (Policy::Prefix, Decision::Bounded) => {
+            let holder = scores.iter().max_by_key(|s| s.matched_blocks).map(|s| {
+                (
+                    fleet.backends[s.backend].url.clone(),
+                    s.predicted_ttft_s * 1e3,
+                    s.capped,
+                )
+            });
+            match holder {
+                Some((h, t, true)) => format!(
+                    "{h} holds the longest prefix but is over the safety cap; {url} is predicted fastest ({:.1} ms, was {t:.1} ms there)",
+                    ms(first)
+                ),
+                Some((h, t, false)) => format!(
+                    "{h} holds the longest prefix but is predicted slower ({t:.1} ms, queue and load) than {url} ({:.1} ms, counting what it recomputes)",
+                    ms(first)
+                ),
+                None => format!("{url} is the least loaded"),
+            }
+        }
+        (Policy::Prefix, Decision::Cold) => format!(
+            "no backend holds the prefix: {url} is first in rendezvous order on its first blocks among backends under the balance bound and cache pressure"
+        ),
+        (p, _) => format!("{url} chosen by the {} policy", p.name()),
+    }
 }
 
 fn respond(stream: &mut TcpStream, status: u16, ctype: &str, body: &str) -> anyhow::Result<()> {

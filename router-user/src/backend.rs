@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering:
 
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::feedback::Feedback;
 use crate::select::BackendLoad;
 
 /// One inference server.
@@ -21,6 +22,8 @@ pub struct Backend {
     /// Hash of the URL: rendezvous hashing agrees across router instances.
     pub id_hash: u64,
     pub state: BackendState,
+    /// What its answers taught: prediction error, prefill rate.
+    pub feedback: Feedback,
 }
 
 /// Live counters and health of a backend.
@@ -28,6 +31,8 @@ pub struct Backend {
 pub struct BackendState {
     pub in_flight: AtomicU32,
     pub queued_prefill_blocks: AtomicU32,
+    /// Prompt blocks of its requests in flight (KV its running requests hold).
+    pub in_flight_blocks: AtomicU32,
     /// This router's open connections to it (pooled and busy).
     pub open_conns: AtomicU32,
     /// Connections the XDP counters see beyond this router's own.
@@ -59,6 +64,7 @@ impl Backend {
             addr,
             id_hash: xxh3_64(url.as_bytes()),
             state: BackendState::default(),
+            feedback: Feedback::new(kv_blocks),
         };
         b.state.healthy.store(true, Relaxed);
         b.state.kv_blocks.store(kv_blocks, Relaxed);
@@ -77,6 +83,11 @@ impl Backend {
             queued_prefill_blocks: s.queued_prefill_blocks.load(Relaxed),
             external_conns: s.external_conns.load(Relaxed),
             id_hash: self.id_hash,
+            in_flight_blocks: s.in_flight_blocks.load(Relaxed),
+            capacity_blocks: u32::try_from(self.feedback.capacity()).unwrap_or(u32::MAX),
+            prefill_rate: self.feedback.prefill_rate() as f32,
+            // Set by the router, which owns the index.
+            cached_blocks: 0,
         }
     }
 
@@ -107,19 +118,27 @@ impl Fleet {
 pub struct InFlight {
     backend: Arc<Backend>,
     prefill_blocks: u32,
+    prompt_blocks: u32,
 }
 
 impl InFlight {
-    pub fn start(backend: Arc<Backend>, prefill_blocks: u32) -> InFlight {
+    /// Counts a request of `prompt_blocks` blocks, `prefill_blocks` of them
+    /// uncached, on `backend`.
+    pub fn start(backend: Arc<Backend>, prefill_blocks: u32, prompt_blocks: u32) -> InFlight {
         backend.state.in_flight.fetch_add(1, Relaxed);
         backend
             .state
             .queued_prefill_blocks
             .fetch_add(prefill_blocks, Relaxed);
+        backend
+            .state
+            .in_flight_blocks
+            .fetch_add(prompt_blocks, Relaxed);
         backend.state.requests.fetch_add(1, Relaxed);
         InFlight {
             backend,
             prefill_blocks,
+            prompt_blocks,
         }
     }
 
@@ -136,6 +155,10 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.prefilled();
+        self.backend
+            .state
+            .in_flight_blocks
+            .fetch_sub(self.prompt_blocks, Relaxed);
         self.backend.state.in_flight.fetch_sub(1, Relaxed);
     }
 }

@@ -90,15 +90,36 @@ impl BackendConfig {
 pub struct PrefixConfig {
     /// Bytes of canonical prompt per block. 64 is about 16 tokens, one vLLM block.
     pub block_bytes: usize,
-    /// Load bound: no backend above `(1 + epsilon) * mean load + slack`. 0.25
-    /// lets a warm backend run 25% over the mean before its prefix is shared.
+    /// Balance bound: each request a backend has over `(1 + epsilon) * mean
+    /// load + slack` adds `overload_cost_blocks` to its predicted TTFT, and
+    /// new prefixes go only to backends under it. 0.25 lets a warm backend
+    /// run 25% over the mean before sharing its prefix gets cheaper.
     pub epsilon: f64,
-    /// Absolute headroom of the bound, so small fleets at low load are not
+    /// Absolute headroom of the bounds, so small fleets at low load are not
     /// forced apart by a single request.
     pub slack: u32,
     /// Cost of one request already in flight on a backend, in blocks of
     /// prefill: a running decode slows a new prompt's prefill a little.
     pub in_flight_cost_blocks: f64,
+    /// Cost of each request over the balance bound, in blocks of prefill.
+    /// 64 blocks (about 1,000 tokens, 0.1 s on the reference GPU): a new
+    /// conversation on a hot system prompt moves to a second engine once the
+    /// first is two requests over, while a conversation with a long history
+    /// stays where its history is.
+    pub overload_cost_blocks: f64,
+    /// Safety cap: no backend at or above `safety_factor * mean load + slack`,
+    /// whatever its cache holds. 2 only stops pile-ups; balance within it is
+    /// the predicted TTFT's job.
+    pub safety_factor: f64,
+    /// A new prefix skips backends whose cache (tracked plus running prompt
+    /// blocks) is fuller than the emptiest backend's by this share of
+    /// capacity, so few system prompts cannot load one engine's cache with
+    /// more than it holds.
+    pub pressure_slack: f64,
+    /// Extra cost of each block of the longest match a backend lacks, on top
+    /// of recomputing it: writing it evicts as much of someone else's prefix
+    /// there. 1 counts a conversation's history twice when it would move.
+    pub move_cost: f64,
     /// Blocks a backend must hold for the request to count as warm there.
     pub min_match_blocks: u32,
     /// Leading blocks that key cold prompts (256 bytes: a system prompt's start).
@@ -108,6 +129,11 @@ pub struct PrefixConfig {
     pub kv_blocks: usize,
     /// Read each engine's capacity from `vllm:cache_config_info` on `/metrics`.
     pub read_kv_capacity: bool,
+    /// Correct the index from what answers report cached
+    /// (`usage.prompt_tokens_details.cached_tokens`): forget a flushed
+    /// engine's blocks, learn capacities nobody published. Off, the
+    /// prediction error is still measured and exported.
+    pub learn_from_answers: bool,
 }
 
 impl Default for PrefixConfig {
@@ -117,10 +143,15 @@ impl Default for PrefixConfig {
             epsilon: 0.25,
             slack: 2,
             in_flight_cost_blocks: 2.0,
+            overload_cost_blocks: 64.0,
+            safety_factor: 2.0,
+            pressure_slack: 0.1,
+            move_cost: 1.0,
             min_match_blocks: 1,
             cold_key_blocks: 4,
             kv_blocks: 65_536,
             read_kv_capacity: true,
+            learn_from_answers: true,
         }
     }
 }
@@ -132,6 +163,10 @@ impl PrefixConfig {
             slack: self.slack,
             in_flight_cost_blocks: self.in_flight_cost_blocks,
             min_match_blocks: self.min_match_blocks,
+            overload_cost_blocks: self.overload_cost_blocks,
+            safety_factor: self.safety_factor,
+            pressure_slack: self.pressure_slack,
+            move_cost: self.move_cost,
         }
     }
 }
@@ -321,6 +356,12 @@ impl Config {
         }
         if !(0.0..=10.0).contains(&self.prefix.epsilon) {
             bail!("prefix.epsilon must be between 0 and 10");
+        }
+        if !(1.0..=100.0).contains(&self.prefix.safety_factor) {
+            bail!("prefix.safety_factor must be between 1 and 100");
+        }
+        if !(self.prefix.overload_cost_blocks >= 0.0 && self.prefix.pressure_slack >= 0.0) {
+            bail!("prefix.overload_cost_blocks and prefix.pressure_slack must be at least 0");
         }
         if self.retry.max_attempts == 0 {
             bail!("retry.max_attempts must be at least 1");

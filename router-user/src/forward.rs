@@ -12,6 +12,7 @@ use tracing::debug;
 use crate::backend::{Backend, InFlight};
 use crate::config::{Config, ms};
 use crate::error::{Kind, RouterError};
+use crate::feedback::UsageScanner;
 use crate::health;
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{BodyFraming, RequestHead};
@@ -107,12 +108,16 @@ pub async fn forward(
     {
         return Err(Failure::Full);
     }
-    let mut inflight = InFlight::start(backend.clone(), uncached);
+    let prompt_blocks = c.blocks.hashes.len() as u32;
+    // Prefill work ahead of this request, for learning the engine's rate.
+    let queued_ahead = backend.state.queued_prefill_blocks.load(Relaxed);
+    let mut inflight = InFlight::start(backend.clone(), uncached, prompt_blocks);
+    let sent_at = Instant::now();
     if max > 0 {
         // `inflight` counts the request now; give back the reservation.
         backend.state.in_flight.fetch_sub(1, Relaxed);
     }
-    router.learn(backend, &c.blocks);
+    router.learn(backend, &mut c.blocks);
 
     // A pooled connection may have been closed by the backend while idle; if
     // it fails before any response byte, one fresh connection is tried.
@@ -174,6 +179,12 @@ pub async fn forward(
     let (take, mut done) = tracker
         .feed(&c.rbuf[rhead.len..])
         .map_err(|_| Failure::Abort)?;
+    // The closed loop: what the engine says it had cached, and when the
+    // first streamed token came (see `feedback`). Read-only on the bytes.
+    let streaming = memchr::memmem::find(&c.out, b"text/event-stream").is_some();
+    let mut usage = UsageScanner::default();
+    usage.feed(&c.rbuf[rhead.len..rhead.len + take]);
+    let mut first_body_at = (take > 0).then(Instant::now);
     let mut leftover = rhead.len + take < c.rbuf.len();
     c.out
         .extend_from_slice(&c.rbuf[rhead.len..rhead.len + take]);
@@ -189,6 +200,8 @@ pub async fn forward(
                 let (take, d) = tracker.feed(&c.rbuf[..n]).map_err(|_| Failure::Abort)?;
                 leftover |= take < n;
                 done = d;
+                usage.feed(&c.rbuf[..take]);
+                first_body_at.get_or_insert_with(Instant::now);
                 write_range(&mut c.stream, &mut c.rbuf, 0, take)
                     .await
                     .map_err(|_| Failure::Abort)?;
@@ -202,6 +215,21 @@ pub async fn forward(
         }
     }
     drop(inflight);
+    if (200..300).contains(&rhead.status) {
+        if let Some(u) = usage.usage() {
+            router.observe_answer(backend, &c.blocks, matched_blocks, u);
+        }
+        // Only a request that found no prefill queued ahead says how fast
+        // the engine prefills; behind a queue it measures the queue.
+        if streaming
+            && queued_ahead == 0
+            && let Some(t) = first_body_at
+        {
+            backend
+                .feedback
+                .observe_ttft(queued_ahead + uncached, (t - sent_at).as_secs_f64());
+        }
+    }
     if rhead.status >= 500 {
         health::request_failed(router, backend, "5xx answer");
     } else {

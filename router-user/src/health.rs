@@ -103,6 +103,7 @@ fn read_capacity(router: &Router, b: &Backend) {
         // Engine blocks hold `block_size` tokens of ~4 bytes each.
         let cap = (blocks * block_size * 4 / cfg.prefix.block_bytes.max(1)).max(1);
         b.state.kv_blocks.store(cap, Relaxed);
+        b.feedback.set_known_capacity(cap);
         router.index.set_capacity(b.slot, cap);
         info!(backend = %b.url, engine_blocks = blocks, block_size, index_blocks = cap, "read the engine's KV capacity");
     }

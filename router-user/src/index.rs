@@ -12,9 +12,9 @@
 //! is a routing hint, never a source of truth, so a wrong hint costs at most
 //! one cache miss.
 //!
-//! Memory: 24 bytes a slot, slots = 4/3 x the sum of capacities, plus 8
-//! bytes a ring entry: 24 * 4/3 + 8 = 40 bytes per tracked block when every
-//! backend is full (`memory_per_tracked_block` in the tests measures it).
+//! Memory: 32 bytes a slot, slots = 4/3 x the sum of capacities, plus 8
+//! bytes a ring entry: 32 * 4/3 + 8 = 50.7 bytes per tracked block when
+//! every backend is full (`memory_per_tracked_block` in the tests measures it).
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
@@ -34,7 +34,17 @@ struct Slot {
     key: AtomicU64,
     owners: AtomicU64,
     referenced: AtomicU64,
+    /// When the block was last sent, as `backend << 56 | that backend's
+    /// push count then` (see [`PrefixIndex::insert_aging`]); 0 = never.
+    last_sent: AtomicU64,
 }
+
+/// `Slot::last_sent` keeps the backend in its top byte.
+const SENT_SHIFT: u32 = 56;
+const SENT_MASK: u64 = (1 << SENT_SHIFT) - 1;
+
+/// A block whose age is not known (not last sent to this backend).
+pub const AGE_UNKNOWN: u64 = u64::MAX;
 
 /// One backend's blocks in the order they were first tracked.
 #[derive(Default)]
@@ -46,6 +56,12 @@ struct Ring {
 pub struct PrefixIndex {
     slots: Box<[Slot]>,
     rings: Box<[Mutex<Ring>]>,
+    /// Each ring's length, readable without its lock (selection reads it).
+    ring_lens: Box<[AtomicUsize]>,
+    /// Blocks each backend was newly sent, since start: the clock block
+    /// ages are measured in (an LRU engine evicts a block once more new
+    /// blocks than its capacity arrived after the block's last use).
+    pushed: Box<[AtomicU64]>,
     evictions: AtomicU64,
     tracked: AtomicUsize,
 }
@@ -62,6 +78,7 @@ impl PrefixIndex {
                 key: AtomicU64::new(0),
                 owners: AtomicU64::new(0),
                 referenced: AtomicU64::new(0),
+                last_sent: AtomicU64::new(0),
             })
             .collect();
         let rings = (0..MAX_BACKENDS)
@@ -70,6 +87,8 @@ impl PrefixIndex {
         PrefixIndex {
             slots,
             rings,
+            ring_lens: (0..MAX_BACKENDS).map(|_| AtomicUsize::new(0)).collect(),
+            pushed: (0..MAX_BACKENDS).map(|_| AtomicU64::new(0)).collect(),
             evictions: AtomicU64::new(0),
             tracked: AtomicUsize::new(0),
         }
@@ -84,6 +103,15 @@ impl PrefixIndex {
         let want = capacity.min(1 << 24).saturating_sub(ring.blocks.len());
         ring.blocks.reserve_exact(want);
         self.evict_over(backend, &mut ring);
+        self.ring_lens[backend].store(ring.blocks.len(), Relaxed);
+    }
+
+    /// The capacity `backend` is allowed.
+    pub fn capacity(&self, backend: usize) -> usize {
+        self.rings[backend]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .capacity
     }
 
     /// Writes into `out` how many leading blocks of `hashes` each backend
@@ -137,7 +165,27 @@ impl PrefixIndex {
     /// [`Self::insert`] with the slots a lookup noted for these hashes; a
     /// noted slot is used when it still holds its block, else it is probed.
     pub fn insert_noted(&self, backend: usize, hashes: &[u64], found: &[u32]) {
+        self.insert_aging(backend, hashes, found, &mut Vec::new());
+    }
+
+    /// [`Self::insert_noted`], also writing into `ages` (cleared first) each
+    /// block's age before this send: new blocks `backend` was sent since it
+    /// was last sent this one, [`AGE_UNKNOWN`] when another backend was sent
+    /// it since or it was never sent. The closed loop (`feedback`) compares
+    /// these ages with what the engine says it still held.
+    pub fn insert_aging(&self, backend: usize, hashes: &[u64], found: &[u32], ages: &mut Vec<u64>) {
         let bit = 1u64 << backend;
+        ages.clear();
+        let tag = (backend as u64) << SENT_SHIFT;
+        let now = self.pushed[backend].load(Relaxed);
+        let age_of = |s: &Slot| {
+            let sent = s.last_sent.load(Relaxed);
+            if sent != 0 && sent & !SENT_MASK == tag {
+                now.saturating_sub(sent & SENT_MASK)
+            } else {
+                AGE_UNKNOWN
+            }
+        };
         // The common case, a prompt the backend already holds, takes no lock.
         let mut first_new = hashes.len();
         for (i, &h) in hashes.iter().enumerate() {
@@ -150,6 +198,8 @@ impl PrefixIndex {
                     if s.referenced.load(Relaxed) & bit == 0 {
                         s.referenced.fetch_or(bit, Relaxed);
                     }
+                    ages.push(age_of(s));
+                    s.last_sent.store(tag | now, Relaxed);
                 }
                 _ => {
                     first_new = i;
@@ -166,19 +216,25 @@ impl PrefixIndex {
         if ring.capacity == 0 {
             return;
         }
+        ages.resize(hashes.len(), AGE_UNKNOWN);
+        let new = hashes.len() - first_new;
+        let end = self.pushed[backend].fetch_add(new as u64, Relaxed) + new as u64;
         // Tail first: within one prompt the ring then forgets the tail before
         // the head, as engines evict (a prefix outlives its extensions).
-        for &h in hashes[first_new..].iter().rev() {
+        for (i, &h) in hashes.iter().enumerate().skip(first_new).rev() {
             let slot = self.find_or_claim(h);
             let prev = slot.owners.fetch_or(bit, Relaxed);
             if prev & bit == 0 {
                 ring.blocks.push_back(h);
                 self.tracked.fetch_add(1, Relaxed);
             } else {
+                ages[i] = age_of(slot);
                 slot.referenced.fetch_or(bit, Relaxed);
             }
+            slot.last_sent.store(tag | end, Relaxed);
         }
         self.evict_over(backend, &mut ring);
+        self.ring_lens[backend].store(ring.blocks.len(), Relaxed);
     }
 
     /// Forgets everything `backend` holds (removed, ejected, or restarted).
@@ -193,6 +249,13 @@ impl PrefixIndex {
                 self.drop_owner(s, h, bit);
             }
         }
+        self.ring_lens[backend].store(0, Relaxed);
+    }
+
+    /// Blocks tracked for `backend`, without taking its lock (may lag a
+    /// writer by one insert).
+    pub fn tracked(&self, backend: usize) -> usize {
+        self.ring_lens[backend].load(Relaxed)
     }
 
     /// Blocks tracked for `backend`.
@@ -277,6 +340,7 @@ impl PrefixIndex {
                 if s.key.compare_exchange(0, h, Relaxed, Relaxed).is_ok() {
                     s.owners.store(0, Relaxed);
                     s.referenced.store(0, Relaxed);
+                    s.last_sent.store(0, Relaxed);
                     return s;
                 }
                 continue;
@@ -293,6 +357,7 @@ impl PrefixIndex {
         victim.key.store(h, Relaxed);
         victim.owners.store(0, Relaxed);
         victim.referenced.store(0, Relaxed);
+        victim.last_sent.store(0, Relaxed);
         victim
     }
 

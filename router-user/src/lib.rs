@@ -8,6 +8,7 @@ pub mod config;
 pub mod ebpf;
 pub mod error;
 pub mod extract;
+pub mod feedback;
 pub mod forward;
 pub mod hash;
 pub mod health;

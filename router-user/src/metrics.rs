@@ -78,6 +78,15 @@ impl Metrics {
         let open_conns = Family::<Vec<(String, String)>, Gauge>::default();
         let external = Family::<Vec<(String, String)>, Gauge>::default();
         let index_blocks = Family::<Vec<(String, String)>, Gauge>::default();
+        let capacity = Family::<Vec<(String, String)>, Gauge>::default();
+        let learned = Family::<Vec<(String, String)>, Gauge>::default();
+        let rate =
+            Family::<Vec<(String, String)>, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        let predicted = Family::<Vec<(String, String)>, Counter>::default();
+        let reported = Family::<Vec<(String, String)>, Counter>::default();
+        let error = Family::<Vec<(String, String)>, Counter>::default();
+        let reports = Family::<Vec<(String, String)>, Counter>::default();
+        let mispredictions = Family::<Vec<(String, String)>, Counter>::default();
         for b in &fleet.backends {
             let l = vec![("backend".to_owned(), b.url.clone())];
             for (i, class) in CLASSES.iter().enumerate() {
@@ -106,6 +115,29 @@ impl Metrics {
                 .get_or_create(&l)
                 .set(i64::from(s.external_conns.load(Relaxed)));
             index_blocks.get_or_create(&l).set(index.len(b.slot) as i64);
+            capacity
+                .get_or_create(&l)
+                .set(s.kv_blocks.load(Relaxed) as i64);
+            let f = &b.feedback;
+            learned.get_or_create(&l).set(f.capacity() as i64);
+            rate.get_or_create(&l).set(f.prefill_rate());
+            predicted
+                .get_or_create(&l)
+                .inc_by(f.predicted_blocks.load(Relaxed));
+            reported
+                .get_or_create(&l)
+                .inc_by(f.reported_blocks.load(Relaxed));
+            error.get_or_create(&l).inc_by(f.error_blocks.load(Relaxed));
+            reports.get_or_create(&l).inc_by(f.reports.load(Relaxed));
+            for (kind, v) in [
+                ("over", &f.over_predictions),
+                ("under", &f.under_predictions),
+                ("flush", &f.flushes),
+            ] {
+                let mut l = l.clone();
+                l.push(("kind".to_owned(), kind.to_owned()));
+                mispredictions.get_or_create(&l).inc_by(v.load(Relaxed));
+            }
             for (i, what) in ["opened", "closed", "reset", "packets", "bytes"]
                 .iter()
                 .enumerate()
@@ -154,6 +186,46 @@ impl Metrics {
             "index_blocks",
             "Prefix blocks tracked per backend",
             index_blocks,
+        );
+        reg.register(
+            "index_capacity_blocks",
+            "Blocks the index remembers per backend: its KV capacity as configured or published, else prefix.kv_blocks",
+            capacity,
+        );
+        reg.register(
+            "learned_capacity_blocks",
+            "KV capacity per backend in the router's blocks, learned from the cached tokens its answers report (starts at the published or configured capacity)",
+            learned,
+        );
+        reg.register(
+            "prefill_rate_blocks_per_second",
+            "Prefill rate per backend learned from observed times to first token",
+            rate,
+        );
+        reg.register(
+            "predicted_cached_blocks",
+            "Prompt blocks the index predicted the backend held, over answers that reported cached tokens",
+            predicted,
+        );
+        reg.register(
+            "reported_cached_blocks",
+            "Prompt blocks the backend reported cached (usage.prompt_tokens_details.cached_tokens, in the router's blocks)",
+            reported,
+        );
+        reg.register(
+            "prediction_error_blocks",
+            "Sum of |predicted - reported| cached blocks per backend",
+            error,
+        );
+        reg.register(
+            "prediction_reports",
+            "Answers whose reported cached tokens were compared with the prediction",
+            reports,
+        );
+        reg.register(
+            "mispredictions",
+            "Answers that held fewer (over) or more (under) blocks than predicted, and detected cache flushes",
+            mispredictions,
         );
         let decisions = Family::<Vec<(String, String)>, Counter>::default();
         for (i, name) in ["warm", "cold", "bounded", "baseline"].iter().enumerate() {

@@ -67,6 +67,10 @@ pub fn apply(router: &Router, mut new: Config) -> anyhow::Result<()> {
             .find(|c| c.url() == b.url)
             .and_then(|c| c.kv_blocks())
         {
+            b.state
+                .kv_blocks
+                .store(kv, std::sync::atomic::Ordering::Relaxed);
+            b.feedback.set_known_capacity(kv);
             router.index.set_capacity(b.slot, kv);
         }
     }

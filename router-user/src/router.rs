@@ -5,9 +5,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use arc_swap::ArcSwap;
+use tracing::info;
 
 use crate::backend::{Backend, Fleet};
 use crate::config::{Config, backend_addr};
+use crate::feedback::{Correction, Usage};
 use crate::hash::{block_hashes, cold_key};
 use crate::index::{MAX_BACKENDS, Matches, PrefixIndex};
 use crate::metrics::Metrics;
@@ -71,6 +73,8 @@ pub struct RouteScratch {
     pub canonical: Vec<u8>,
     loads: Vec<BackendLoad>,
     matches: Vec<u32>,
+    /// The last routed request's cold key (for [`Router::scores`]).
+    cold_key: u64,
 }
 
 /// A request's prompt blocks: their chained hashes, and the index slots the
@@ -80,6 +84,9 @@ pub struct RouteScratch {
 pub struct PromptBlocks {
     pub hashes: Vec<u64>,
     pub found: Vec<u32>,
+    /// Each block's age on the chosen backend when it was sent (see
+    /// `PrefixIndex::insert_aging`), for the closed loop.
+    pub ages: Vec<u64>,
 }
 
 /// What routing decided for one request.
@@ -111,12 +118,11 @@ impl Router {
         let mut backends = Vec::new();
         for (slot, b) in config.backends.iter().enumerate() {
             let kv = b.kv_blocks().unwrap_or(config.prefix.kv_blocks);
-            backends.push(Arc::new(Backend::new(
-                slot,
-                b.url(),
-                backend_addr(b.url())?,
-                kv,
-            )));
+            let backend = Backend::new(slot, b.url(), backend_addr(b.url())?, kv);
+            if let Some(known) = b.kv_blocks() {
+                backend.feedback.set_known_capacity(known);
+            }
+            backends.push(Arc::new(backend));
             index.set_capacity(slot, kv);
         }
         Ok(Arc::new(Router {
@@ -139,7 +145,7 @@ impl Router {
         scratch: &mut RouteScratch,
         blocks: &mut PromptBlocks,
     ) -> Routed {
-        let PromptBlocks { hashes, found } = blocks;
+        let PromptBlocks { hashes, found, .. } = blocks;
         let cfg = self.config.load();
         let fleet = self.fleet.load_full();
         hashes.clear();
@@ -154,20 +160,22 @@ impl Router {
         scratch.loads.clear();
         scratch.matches.clear();
         for b in &fleet.backends {
-            scratch
-                .loads
-                .push(b.load(cfg.limits.max_in_flight_per_backend));
+            let mut load = b.load(cfg.limits.max_in_flight_per_backend);
+            load.cached_blocks = u32::try_from(self.index.tracked(b.slot)).unwrap_or(u32::MAX);
+            scratch.loads.push(load);
             scratch.matches.push(matches[b.slot]);
         }
+        same_hardware_same_rate(&mut scratch.loads);
+        scratch.cold_key = cold_key(
+            req.seed,
+            &scratch.canonical,
+            hashes,
+            cfg.prefix.cold_key_blocks,
+        );
         let input = RouteInput {
             matches: &scratch.matches,
             blocks: hashes.len() as u32,
-            cold_key: cold_key(
-                req.seed,
-                &scratch.canonical,
-                hashes,
-                cfg.prefix.cold_key_blocks,
-            ),
+            cold_key: scratch.cold_key,
             session_key: req.session,
             ticket: self.ticket.fetch_add(1, Relaxed),
         };
@@ -184,6 +192,19 @@ impl Router {
             fleet,
             uncached_blocks,
         }
+    }
+
+    /// Every eligible backend's predicted TTFT for the request last routed
+    /// with `scratch` (`blocks` of them), as the `prefix` policy ranks them.
+    pub fn scores(&self, scratch: &RouteScratch, blocks: u32) -> Vec<select::Score> {
+        let input = RouteInput {
+            matches: &scratch.matches,
+            blocks,
+            cold_key: scratch.cold_key,
+            session_key: None,
+            ticket: 0,
+        };
+        select::prefix_scores(&input, &scratch.loads, &self.config.load().prefix.params())
     }
 
     /// Stop taking new connections and requests (SIGTERM).
@@ -206,10 +227,81 @@ impl Router {
     }
 
     /// Records that `backend` was sent the prompt with these block hashes.
-    pub fn learn(&self, backend: &Backend, blocks: &PromptBlocks) {
+    pub fn learn(&self, backend: &Backend, blocks: &mut PromptBlocks) {
+        blocks.ages.clear();
         if !blocks.hashes.is_empty() && self.config.load().policy == Policy::Prefix {
-            self.index
-                .insert_noted(backend.slot, &blocks.hashes, &blocks.found);
+            self.index.insert_aging(
+                backend.slot,
+                &blocks.hashes,
+                &blocks.found,
+                &mut blocks.ages,
+            );
+        }
+    }
+}
+
+/// Learned prefill rates within this factor of the fleet's median count as
+/// the median: observed TTFTs scatter by tens of percent on identical
+/// engines (the fixed cost of a step, the network), and selection should not
+/// chase that noise; a GPU twice as fast still shows.
+const SAME_RATE_FACTOR: f32 = 1.5;
+
+/// Replaces rates near the fleet's median by the median (see `SAME_RATE_FACTOR`).
+fn same_hardware_same_rate(loads: &mut [BackendLoad]) {
+    let mut rates: [f32; MAX_BACKENDS] = [0.0; MAX_BACKENDS];
+    let mut n = 0;
+    for l in loads.iter().filter(|l| l.prefill_rate > 0.0) {
+        rates[n] = l.prefill_rate;
+        n += 1;
+    }
+    if n == 0 {
+        return;
+    }
+    let rates = &mut rates[..n];
+    rates.sort_unstable_by(f32::total_cmp);
+    let median = rates[n / 2];
+    for l in loads.iter_mut() {
+        let r = l.prefill_rate;
+        if r <= 0.0 || (r < median * SAME_RATE_FACTOR && r * SAME_RATE_FACTOR > median) {
+            l.prefill_rate = median;
+        }
+    }
+}
+
+impl Router {
+    /// Closes the loop on one answer: `usage` is what the engine said it had
+    /// cached of the prompt in `blocks`, `predicted` what the index said
+    /// `backend` held when the request was routed. Corrects the index when
+    /// they disagree (see `feedback`).
+    pub fn observe_answer(
+        &self,
+        backend: &Backend,
+        blocks: &PromptBlocks,
+        predicted: u32,
+        usage: Usage,
+    ) {
+        let cfg = self.config.load();
+        if blocks.hashes.is_empty() || cfg.policy != Policy::Prefix {
+            return;
+        }
+        if blocks.ages.len() != blocks.hashes.len() {
+            return;
+        }
+        let slot = backend.slot;
+        let pinned = backend.state.in_flight_blocks.load(Relaxed);
+        match backend
+            .feedback
+            .observe(usage, predicted, &blocks.ages, pinned)
+        {
+            _ if !cfg.prefix.learn_from_answers => {}
+            Correction::None => {}
+            Correction::Flushed => {
+                // The engine holds this prompt now (it just computed it) and
+                // nothing else the index believed.
+                info!(backend = %backend.url, predicted, "engine held none of a prompt it was predicted to hold: forgetting what the index had of it");
+                self.index.clear_backend(slot);
+                self.index.insert(slot, &blocks.hashes);
+            }
         }
     }
 }
@@ -217,6 +309,21 @@ impl Router {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn near_rates_count_as_one_and_far_ones_show() {
+        let mut loads: Vec<BackendLoad> = [1000.0, 1300.0, 0.0, 800.0, 3000.0]
+            .iter()
+            .map(|&r| BackendLoad {
+                prefill_rate: r,
+                ..Default::default()
+            })
+            .collect();
+        same_hardware_same_rate(&mut loads);
+        let rates: Vec<f32> = loads.iter().map(|l| l.prefill_rate).collect();
+        // 800 is more than 1.5x below the median: a slower engine, kept.
+        assert_eq!(rates, [1300.0, 1300.0, 1300.0, 800.0, 3000.0]);
+    }
 
     #[test]
     fn retries_are_capped_by_the_budget() {

@@ -2,18 +2,26 @@
 //! load snapshot. No I/O, no clocks, no shared state: the caller passes a
 //! ticket (a counter or a random number) where a policy needs one.
 //!
-//! The `prefix` policy:
-//! 1. Bound: a backend may take the request only while its load (requests in
-//!    flight plus connections others hold to it, as seen by XDP) is under
-//!    `(1 + epsilon) * mean + slack`, the mean counting this request. This
-//!    keeps a hot shared prefix from piling onto one replica.
-//! 2. Warm: among backends within the bound, pick the one with the lowest
-//!    estimated time to first token, in units of one block's prefill:
-//!    `queued prefill blocks + uncached blocks + in_flight_cost * in flight`.
-//! 3. Cold (no backend holds `min_match_blocks`): rendezvous hashing of the
-//!    prompt's first blocks, first backend within the bound. The same cold
-//!    prefix lands on the same backend, and router instances agree without
-//!    talking.
+//! The `prefix` policy predicts each backend's time to first token and
+//! takes the fastest:
+//!
+//! `ttft = (queued prefill + uncached blocks + in-flight cost + overload) / prefill rate`
+//!
+//! 1. *Queued prefill*: prompt blocks sent to the backend whose first
+//!    response byte has not come back. *Uncached*: the request's blocks the
+//!    backend does not hold, so a conversation stays on the engine holding
+//!    its history unless another is predicted faster counting the history
+//!    it would recompute. *In-flight cost*: running decodes slow a prefill.
+//! 2. *Overload*: each request over the balance bound `(1 + epsilon) * mean
+//!    load + slack` costs `overload_cost_blocks`, so a shared prefix hot
+//!    enough to crowd one engine gets a second engine (it is replicated)
+//!    while a long conversation history still outweighs a small imbalance.
+//! 3. *Safety cap*: no backend at or above `safety_factor * mean + slack`.
+//! 4. *Cold* (no backend holds `min_match_blocks`): rendezvous hashing on
+//!    the prompt's first blocks, skipping backends over the balance bound or
+//!    whose cache is fuller than the emptiest by `pressure_slack` of its
+//!    capacity: a new prefix lands where it costs the least cache pressure,
+//!    and router replicas that see the same fleet agree without talking.
 
 /// The routing policies.
 #[derive(
@@ -61,13 +69,44 @@ pub struct BackendLoad {
     pub external_conns: u32,
     /// A stable hash of the backend's address, for rendezvous hashing.
     pub id_hash: u64,
+    /// Blocks the prefix index tracks for it.
+    pub cached_blocks: u32,
+    /// Prompt blocks of its requests in flight: KV held by running requests.
+    pub in_flight_blocks: u32,
+    /// Blocks the index allows it: its KV capacity, known or learned (0: unknown).
+    pub capacity_blocks: u32,
+    /// Prefill rate in blocks per second, learned from observed TTFTs (0: unknown).
+    pub prefill_rate: f32,
 }
 
 impl BackendLoad {
     fn load(&self) -> u64 {
         u64::from(self.in_flight) + u64::from(self.external_conns)
     }
+
+    /// Blocks per second, with the default before anything was learned.
+    fn rate(&self) -> f64 {
+        if self.prefill_rate > 0.0 {
+            f64::from(self.prefill_rate)
+        } else {
+            DEFAULT_PREFILL_BLOCKS_PER_S
+        }
+    }
+
+    /// Share of its capacity that cached and running prompts fill.
+    fn pressure(&self) -> f64 {
+        let cap = if self.capacity_blocks == 0 {
+            u32::MAX
+        } else {
+            self.capacity_blocks
+        };
+        (f64::from(self.cached_blocks) + f64::from(self.in_flight_blocks)) / f64::from(cap)
+    }
 }
+
+/// Prefill rate assumed before one is learned: 10,000 tokens/s (an 8B model
+/// on an H100-class GPU) over 16-token blocks.
+pub const DEFAULT_PREFILL_BLOCKS_PER_S: f64 = 625.0;
 
 /// Tuning of the `prefix` policy. Defaults are in `config.rs`, documented there.
 #[derive(Clone, Copy, Debug)]
@@ -76,6 +115,10 @@ pub struct PrefixParams {
     pub slack: u32,
     pub in_flight_cost_blocks: f64,
     pub min_match_blocks: u32,
+    pub overload_cost_blocks: f64,
+    pub safety_factor: f64,
+    pub pressure_slack: f64,
+    pub move_cost: f64,
 }
 
 /// What the request brings to selection.
@@ -175,65 +218,157 @@ pub fn select(
     choice
 }
 
+/// What the `prefix` policy works out once per request, before scoring.
+struct PrefixView {
+    /// Requests over this load count as overload (balance bound).
+    bound: u64,
+    /// No backend at or above this load (safety cap).
+    cap: u64,
+    /// The longest match over eligible backends.
+    longest: u32,
+}
+
+/// One backend's predicted time to first token, and its parts in blocks.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct Score {
+    pub backend: usize,
+    /// Leading blocks it holds.
+    pub matched_blocks: u32,
+    /// Prompt blocks queued on it ahead of this request.
+    pub queued_blocks: u32,
+    /// Blocks it would prefill for this request.
+    pub uncached_blocks: u32,
+    /// Blocks of the longest match it lacks, times `move_cost`.
+    pub move_blocks: f64,
+    /// Block-equivalents of its running requests and of its overload.
+    pub in_flight_cost_blocks: f64,
+    pub overload_blocks: f64,
+    pub prefill_blocks_per_s: f64,
+    pub predicted_ttft_s: f64,
+    /// Over the safety cap: not a candidate.
+    pub capped: bool,
+    /// Share of its capacity in use (cold placement).
+    pub pressure: f64,
+}
+
+impl PrefixView {
+    fn new(input: &RouteInput, loads: &[BackendLoad], p: &PrefixParams) -> PrefixView {
+        let (mut total, mut n, mut longest) = (0u64, 0u64, 0u32);
+        for (b, l) in loads.iter().enumerate() {
+            if l.eligible {
+                total += l.load();
+                n += 1;
+                longest = longest.max(input.matches.get(b).copied().unwrap_or(0));
+            }
+        }
+        let mean = (total + 1) as f64 / n.max(1) as f64;
+        PrefixView {
+            bound: (((1.0 + p.epsilon) * mean).floor() as u64 + u64::from(p.slack)).max(1),
+            cap: ((p.safety_factor.max(1.0 + p.epsilon) * mean).floor() as u64
+                + u64::from(p.slack))
+            .max(1),
+            longest,
+        }
+    }
+
+    fn score(&self, input: &RouteInput, l: &BackendLoad, b: usize, p: &PrefixParams) -> Score {
+        let m = input.matches.get(b).copied().unwrap_or(0);
+        let uncached = input.blocks.saturating_sub(m);
+        let over = (l.load() + 1).saturating_sub(self.bound);
+        let in_flight_cost = p.in_flight_cost_blocks * f64::from(l.in_flight);
+        let overload = p.overload_cost_blocks * over as f64;
+        // Moving off the engine with the longest match also evicts as much
+        // from the new engine's cache, and strands the copy on the old one.
+        let moved = p.move_cost * f64::from(self.longest.saturating_sub(m));
+        let work = f64::from(l.queued_prefill_blocks)
+            + f64::from(uncached)
+            + moved
+            + in_flight_cost
+            + overload;
+        let rate = l.rate();
+        Score {
+            backend: b,
+            matched_blocks: m,
+            queued_blocks: l.queued_prefill_blocks,
+            uncached_blocks: uncached,
+            move_blocks: moved,
+            in_flight_cost_blocks: in_flight_cost,
+            overload_blocks: overload,
+            prefill_blocks_per_s: rate,
+            predicted_ttft_s: work / rate,
+            capped: !l.eligible || l.load() >= self.cap,
+            pressure: l.pressure(),
+        }
+    }
+}
+
 fn prefix(
     input: &RouteInput,
     loads: &[BackendLoad],
     p: &PrefixParams,
     decision: &mut Decision,
 ) -> usize {
-    let (mut total, mut n) = (0u64, 0u64);
-    for l in loads.iter().filter(|l| l.eligible) {
-        total += l.load();
-        n += 1;
-    }
-    let mean = (total + 1) as f64 / n as f64;
-    let cap = ((1.0 + p.epsilon) * mean).floor() as u64 + u64::from(p.slack);
-    let within = |l: &BackendLoad| l.eligible && l.load() < cap.max(1);
-
-    let mut longest = 0;
-    let mut longest_at = usize::MAX;
-    for (b, l) in loads.iter().enumerate() {
-        let m = input.matches.get(b).copied().unwrap_or(0);
-        if l.eligible && m > longest {
-            longest = m;
-            longest_at = b;
-        }
-    }
-    if longest < p.min_match_blocks.max(1) {
+    let view = PrefixView::new(input, loads, p);
+    if view.longest < p.min_match_blocks.max(1) {
         *decision = Decision::Cold;
-        return rendezvous(loads, input.cold_key, within)
-            .unwrap_or_else(|| least_loaded(loads, input.cold_key));
+        return cold(input, loads, p, &view);
     }
     let mut best = usize::MAX;
-    let mut best_cost = f64::INFINITY;
+    let mut best_ttft = f64::INFINITY;
     let mut best_rank = 0;
     for (b, l) in loads.iter().enumerate() {
-        if !within(l) {
+        let s = view.score(input, l, b, p);
+        if s.capped {
             continue;
         }
-        let m = input.matches.get(b).copied().unwrap_or(0);
-        let cost = f64::from(l.queued_prefill_blocks)
-            + f64::from(input.blocks.saturating_sub(m))
-            + p.in_flight_cost_blocks * f64::from(l.in_flight);
         let rank = mix(input.cold_key ^ l.id_hash);
-        if cost < best_cost || (cost == best_cost && rank > best_rank) {
+        if s.predicted_ttft_s < best_ttft || (s.predicted_ttft_s == best_ttft && rank > best_rank) {
             best = b;
-            best_cost = cost;
+            best_ttft = s.predicted_ttft_s;
             best_rank = rank;
         }
     }
     if best == usize::MAX {
-        // Every backend is over the bound (the bound is loose by `slack`, so
-        // only with very few backends): the least loaded one.
+        // Every backend is at the safety cap (only with very few backends,
+        // the cap being loose by `slack`): the least loaded one.
         *decision = Decision::Bounded;
         return least_loaded(loads, input.cold_key);
     }
-    *decision = if within(&loads[longest_at]) {
+    *decision = if input.matches.get(best).copied().unwrap_or(0) >= view.longest {
         Decision::Warm
     } else {
         Decision::Bounded
     };
     best
+}
+
+/// A prompt no backend holds: the first backend in rendezvous order on its
+/// key that is within the balance bound and not fuller than the emptiest by
+/// `pressure_slack`; then within the bound alone; then the least loaded.
+fn cold(input: &RouteInput, loads: &[BackendLoad], p: &PrefixParams, view: &PrefixView) -> usize {
+    let within = |l: &BackendLoad| l.eligible && l.load() < view.bound;
+    let emptiest = loads
+        .iter()
+        .filter(|l| within(l))
+        .map(BackendLoad::pressure)
+        .fold(f64::INFINITY, f64::min);
+    rendezvous(loads, input.cold_key, |l| {
+        within(l) && l.pressure() <= emptiest + p.pressure_slack
+    })
+    .or_else(|| rendezvous(loads, input.cold_key, within))
+    .unwrap_or_else(|| least_loaded(loads, input.cold_key))
+}
+
+/// Every eligible backend's score under the `prefix` policy, for
+/// `/admin/explain`; the same arithmetic [`select`] ranks by.
+pub fn prefix_scores(input: &RouteInput, loads: &[BackendLoad], p: &PrefixParams) -> Vec<Score> {
+    let view = PrefixView::new(input, loads, p);
+    loads
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.eligible)
+        .map(|(b, l)| view.score(input, l, b, p))
+        .collect()
 }
 
 impl Choice {

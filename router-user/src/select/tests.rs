@@ -6,6 +6,10 @@ const P: PrefixParams = PrefixParams {
     slack: 2,
     in_flight_cost_blocks: 2.0,
     min_match_blocks: 1,
+    overload_cost_blocks: 64.0,
+    safety_factor: 2.0,
+    pressure_slack: 0.1,
+    move_cost: 1.0,
 };
 
 fn fleet(n: usize) -> Vec<BackendLoad> {
@@ -151,15 +155,100 @@ fn least_request_picks_the_idlest() {
     );
 }
 
+#[test]
+fn a_long_history_stays_on_its_engine_over_the_balance_bound() {
+    // Mean load (6 + 1) / 3: bound floor(1.25 * 2.33) + 2 = 4, cap 6.
+    let mut loads = fleet(3);
+    loads[0].in_flight = 5;
+    loads[1].in_flight = 1;
+    // 300 blocks of history on backend 0: two requests over the bound cost
+    // 128 blocks, recomputing the history elsewhere 300.
+    let m = [300, 20, 0];
+    let c = select(Policy::Prefix, &input(&m, 310, 1), &loads, &P);
+    assert_eq!(c.first(), Some(0));
+    assert_eq!(c.decision, Decision::Warm);
+}
+
+#[test]
+fn a_hot_shared_prefix_gets_a_second_engine() {
+    // The shared prompt (100 blocks) is on backend 0 only, which is three
+    // requests over the bound: a new conversation (10 blocks of its own)
+    // is predicted faster on an idle engine, recomputing the prompt there.
+    let mut loads = fleet(3);
+    loads[0].in_flight = 8;
+    let m = [100, 0, 0];
+    let c = select(Policy::Prefix, &input(&m, 110, 1), &loads, &P);
+    assert_ne!(c.first(), Some(0));
+    assert_eq!(c.decision, Decision::Bounded);
+    // Once a second engine holds it, the next conversation goes there.
+    let m = [100, 100, 0];
+    let c = select(Policy::Prefix, &input(&m, 110, 2), &loads, &P);
+    assert_eq!(c.first(), Some(1));
+    assert_eq!(c.decision, Decision::Warm);
+}
+
+#[test]
+fn the_faster_prefill_wins_between_equal_matches() {
+    let mut loads = fleet(2);
+    loads[0].prefill_rate = 500.0;
+    loads[1].prefill_rate = 2000.0;
+    let m = [10, 10];
+    for key in 0..20 {
+        let c = select(Policy::Prefix, &input(&m, 200, key), &loads, &P);
+        assert_eq!(c.first(), Some(1));
+    }
+}
+
+#[test]
+fn new_prefixes_skip_a_fuller_cache() {
+    let mut loads = fleet(3);
+    for l in &mut loads {
+        l.capacity_blocks = 1000;
+    }
+    loads[0].cached_blocks = 900;
+    loads[1].cached_blocks = 100;
+    loads[2].cached_blocks = 150;
+    let m = [0; 3];
+    for key in 0..64 {
+        let c = select(Policy::Prefix, &input(&m, 50, key), &loads, &P);
+        assert_eq!(c.decision, Decision::Cold);
+        assert_ne!(c.first(), Some(0), "key {key} went to the full cache");
+    }
+    // Within the slack, rendezvous decides: both of the emptier two are used.
+    let picks: std::collections::HashSet<_> = (0..64)
+        .map(|k| select(Policy::Prefix, &input(&m, 50, k), &loads, &P).first())
+        .collect();
+    assert_eq!(picks.len(), 2);
+}
+
+#[test]
+fn explained_scores_agree_with_the_choice() {
+    let mut loads = fleet(4);
+    loads[0].in_flight = 6;
+    loads[1].queued_prefill_blocks = 80;
+    loads[2].in_flight = 2;
+    let m = [120, 100, 40, 0];
+    let i = input(&m, 130, 9);
+    let c = select(Policy::Prefix, &i, &loads, &P);
+    let scores = prefix_scores(&i, &loads, &P);
+    let best = scores
+        .iter()
+        .filter(|s| !s.capped)
+        .min_by(|a, b| a.predicted_ttft_s.total_cmp(&b.predicted_ttft_s))
+        .unwrap();
+    assert_eq!(c.first(), Some(best.backend));
+    assert_eq!(scores.len(), 4);
+}
+
 proptest! {
     /// The prefix policy never sends a request to a backend at or over the
-    /// bound while some backend is under it.
+    /// safety cap while some backend is under it.
     #[test]
     fn the_load_bound_always_holds(loads_in in proptest::collection::vec((0u32..50, 0u32..1000, any::<bool>()), 1..40),
                                    matches in proptest::collection::vec(0u32..100, 40),
                                    key in any::<u64>()) {
         let loads: Vec<BackendLoad> = loads_in.iter().enumerate().map(|(i, &(f, q, e))| BackendLoad {
-            eligible: e, in_flight: f, queued_prefill_blocks: q, external_conns: 0, id_hash: mix(i as u64),
+            eligible: e, in_flight: f, queued_prefill_blocks: q, id_hash: mix(i as u64), ..Default::default()
         }).collect();
         let c = select(Policy::Prefix, &input(&matches[..loads.len()], 100, key), &loads, &P);
         let eligible: Vec<_> = loads.iter().filter(|l| l.eligible).collect();
@@ -167,7 +256,7 @@ proptest! {
             prop_assert_eq!(c.len, 0);
         } else {
             let total: u64 = eligible.iter().map(|l| u64::from(l.in_flight)).sum();
-            let cap = ((1.0 + P.epsilon) * ((total + 1) as f64 / eligible.len() as f64)).floor() as u64 + u64::from(P.slack);
+            let cap = (P.safety_factor * ((total + 1) as f64 / eligible.len() as f64)).floor() as u64 + u64::from(P.slack);
             let chosen = &loads[c.first().unwrap()];
             prop_assert!(chosen.eligible);
             let someone_under = eligible.iter().any(|l| u64::from(l.in_flight) < cap);

@@ -1,0 +1,541 @@
+//! The closed loop: what each engine says it really had cached, against what
+//! the prefix index predicted.
+//!
+//! Every OpenAI-compatible answer carries `usage.prompt_tokens` and, on
+//! engines that report it, `usage.prompt_tokens_details.cached_tokens`
+//! (SGLang's `/generate` puts both in `meta_info`). [`UsageScanner`] picks
+//! them out of the response bytes as they stream to the client, without
+//! changing or holding back a byte. [`Feedback::observe`] turns one report
+//! into what the index should do:
+//!
+//! - the engine held about what was predicted: nothing;
+//! - it held none of a prompt it was predicted to hold well: its cache was
+//!   flushed or it restarted, so everything the index believes of it goes;
+//! - it held less: it evicts sooner than the index thinks, so the capacity
+//!   the index allows it shrinks (and the index forgets its oldest blocks
+//!   down to it);
+//! - it held more: the capacity grows back.
+//!
+//! So an engine that does not publish its capacity (SGLang, llama.cpp,
+//! TensorRT-LLM) converges to what it really keeps. The same reports teach
+//! each engine's prefill rate from the time to the first streamed byte.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
+
+use memchr::memmem;
+
+/// Bytes kept from the end of one read so a key split across two reads is
+/// still found: a key (15 bytes), a colon, spaces and a 10-digit number.
+const CARRY: usize = 48;
+
+/// What an answer said of its prompt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub cached_tokens: u32,
+}
+
+/// Finds `"prompt_tokens": N` and `"cached_tokens": N` in a response as it
+/// streams by. Scans with memchr's SIMD search; a response's last values
+/// win (a stream's usage chunk comes last). A key split by chunked framing
+/// is missed: the answer then reports nothing, which costs only a sample.
+pub struct UsageScanner {
+    /// The last bytes seen, then (while scanning) the head of the new read.
+    carry: [u8; 2 * CARRY],
+    carry_len: usize,
+    prompt_tokens: Option<u32>,
+    cached_tokens: Option<u32>,
+}
+
+impl Default for UsageScanner {
+    fn default() -> Self {
+        UsageScanner {
+            carry: [0; 2 * CARRY],
+            carry_len: 0,
+            prompt_tokens: None,
+            cached_tokens: None,
+        }
+    }
+}
+
+const PROMPT_KEY: &[u8] = b"\"prompt_tokens\"";
+const CACHED_KEY: &[u8] = b"\"cached_tokens\"";
+
+impl UsageScanner {
+    /// Ready for a new response.
+    pub fn reset(&mut self) {
+        self.carry_len = 0;
+        self.prompt_tokens = None;
+        self.cached_tokens = None;
+    }
+
+    /// Scans the next bytes of the response.
+    pub fn feed(&mut self, bytes: &[u8]) {
+        if bytes.is_empty() {
+            return;
+        }
+        // Keys that start in the carried tail and end in `bytes`.
+        let start = self.carry_len;
+        if start > 0 {
+            let head = bytes.len().min(CARRY);
+            let mut joined = self.carry;
+            joined[start..start + head].copy_from_slice(&bytes[..head]);
+            self.scan(&joined[..start + head], Some(start));
+        }
+        self.scan(bytes, None);
+        // Keep the last CARRY bytes of everything seen.
+        if bytes.len() >= CARRY {
+            self.carry[..CARRY].copy_from_slice(&bytes[bytes.len() - CARRY..]);
+            self.carry_len = CARRY;
+        } else {
+            let keep = (CARRY - bytes.len()).min(start);
+            self.carry.copy_within(start - keep..start, 0);
+            self.carry[keep..keep + bytes.len()].copy_from_slice(bytes);
+            self.carry_len = keep + bytes.len();
+        }
+    }
+
+    /// What the response reported, once it reported both numbers.
+    pub fn usage(&self) -> Option<Usage> {
+        Some(Usage {
+            prompt_tokens: self.prompt_tokens?,
+            cached_tokens: self.cached_tokens?,
+        })
+    }
+
+    /// Scans `hay` for both keys; with `starts_before`, only keys starting
+    /// before that offset (the carried part) count.
+    fn scan(&mut self, hay: &[u8], starts_before: Option<usize>) {
+        for (key, slot) in [
+            (PROMPT_KEY, &mut self.prompt_tokens),
+            (CACHED_KEY, &mut self.cached_tokens),
+        ] {
+            for at in memmem::find_iter(hay, key) {
+                if starts_before.is_some_and(|s| at >= s) {
+                    break;
+                }
+                if let Some(v) = number_after(&hay[at + key.len()..]) {
+                    *slot = Some(v);
+                }
+            }
+        }
+    }
+}
+
+/// The integer after `: ` at the start of `rest`; `None` when it is not a
+/// number or runs to the end of `rest` (it may continue in the next read).
+fn number_after(rest: &[u8]) -> Option<u32> {
+    let mut i = 0;
+    let skip_ws = |i: &mut usize| {
+        while *i < rest.len() && matches!(rest[*i], b' ' | b'\t' | b'\r' | b'\n') && *i < 16 {
+            *i += 1;
+        }
+    };
+    skip_ws(&mut i);
+    if rest.get(i) != Some(&b':') {
+        return None;
+    }
+    i += 1;
+    skip_ws(&mut i);
+    let start = i;
+    let mut v: u64 = 0;
+    while i < rest.len() && rest[i].is_ascii_digit() && i - start < 10 {
+        v = v * 10 + u64::from(rest[i] - b'0');
+        i += 1;
+    }
+    // A number must end inside what we have, or it may be cut short.
+    if i == start || i >= rest.len() {
+        return None;
+    }
+    u32::try_from(v).ok()
+}
+
+/// What one report says the index should do for the backend it came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Correction {
+    /// The prediction was right, or wrong in a way the capacity estimate
+    /// absorbs.
+    None,
+    /// The engine held none of a prompt it was sent recently (far more
+    /// recently than its capacity would evict): its cache was flushed or it
+    /// restarted. Forget everything of it.
+    Flushed,
+}
+
+/// Weight of one sample in the capacity estimate: an eviction of a block
+/// younger than the estimate pulls it a quarter of the way down to that
+/// block's age; a kept block older than it pushes it a quarter of the way
+/// up. The estimate settles where the engine starts to evict.
+const CAPACITY_STEP: f64 = 0.25;
+/// A match within this many blocks of the prediction is a hit (the engine's
+/// tokens and the router's 64-byte blocks round differently).
+const TOLERANCE_BLOCKS: u32 = 2;
+/// Predictions shorter than this cannot tell a flush from an eviction.
+const FLUSH_MIN_BLOCKS: u32 = 16;
+/// Recent prompts lost whole, in a row, that make a flush.
+const FLUSH_REPORTS: u32 = 3;
+/// A prompt sent this recently (a share of the capacity estimate, in new
+/// blocks since) cannot have been evicted by an LRU cache: losing all of it
+/// means the cache was flushed.
+const FLUSH_AGE_SHARE: f64 = 0.25;
+/// No backend's learned capacity goes below this.
+pub const MIN_CAPACITY_BLOCKS: usize = 64;
+/// Weight of a new prefill-rate sample (an exponential moving average).
+const RATE_ALPHA: f64 = 0.05;
+/// Samples with less prefill work than this say more about the network than
+/// the engine, and teach nothing.
+const RATE_MIN_BLOCKS: u32 = 32;
+
+/// Per-backend learned state, written by the data path after each answer.
+#[derive(Debug)]
+pub struct Feedback {
+    /// Reports compared with a prediction.
+    pub reports: AtomicU64,
+    /// Sum of predicted cached blocks over reports.
+    pub predicted_blocks: AtomicU64,
+    /// Sum of reported cached blocks over reports.
+    pub reported_blocks: AtomicU64,
+    /// Sum of |predicted - reported| blocks over reports.
+    pub error_blocks: AtomicU64,
+    /// Reports that held less than predicted (by more than the tolerance).
+    pub over_predictions: AtomicU64,
+    /// Reports that held more than predicted.
+    pub under_predictions: AtomicU64,
+    /// Flushes detected.
+    pub flushes: AtomicU64,
+    /// Recent prompts lost whole in a row (see `FLUSH_REPORTS`).
+    empty_in_row: AtomicU32,
+    /// Learned capacity in the router's blocks, as `f64` bits.
+    capacity: AtomicU64,
+    /// Age samples that moved the capacity estimate.
+    pub capacity_samples: AtomicU64,
+    /// Learned prefill rate, blocks per second, as `f64` bits (0: none yet).
+    prefill_rate: AtomicU64,
+    /// Prefill-rate samples taken.
+    pub rate_samples: AtomicU32,
+    /// The capacity the engine published or the config gives, in index
+    /// blocks (0: unknown): the estimate starts there and never exceeds it.
+    pub known_capacity: AtomicUsize,
+}
+
+impl Feedback {
+    /// State for a backend whose capacity is assumed `capacity` blocks.
+    pub fn new(capacity: usize) -> Feedback {
+        Feedback {
+            reports: AtomicU64::new(0),
+            predicted_blocks: AtomicU64::new(0),
+            reported_blocks: AtomicU64::new(0),
+            error_blocks: AtomicU64::new(0),
+            over_predictions: AtomicU64::new(0),
+            under_predictions: AtomicU64::new(0),
+            flushes: AtomicU64::new(0),
+            empty_in_row: AtomicU32::new(0),
+            capacity: AtomicU64::new((capacity as f64).to_bits()),
+            capacity_samples: AtomicU64::new(0),
+            prefill_rate: AtomicU64::new(0f64.to_bits()),
+            rate_samples: AtomicU32::new(0),
+            known_capacity: AtomicUsize::new(0),
+        }
+    }
+
+    /// The engine's capacity was published or configured: start there.
+    pub fn set_known_capacity(&self, blocks: usize) {
+        self.known_capacity.store(blocks, Relaxed);
+        self.capacity.store((blocks as f64).to_bits(), Relaxed);
+    }
+
+    /// The learned capacity in the router's blocks.
+    pub fn capacity(&self) -> usize {
+        f64::from_bits(self.capacity.load(Relaxed)) as usize
+    }
+
+    /// The learned prefill rate in blocks per second; 0 before any sample.
+    pub fn prefill_rate(&self) -> f64 {
+        f64::from_bits(self.prefill_rate.load(Relaxed))
+    }
+
+    /// Learns from the time between dispatch and the first streamed byte of
+    /// a request that found nothing queued ahead of it.
+    pub fn observe_ttft(&self, work_blocks: u32, ttft_s: f64) {
+        if work_blocks < RATE_MIN_BLOCKS || !(ttft_s > 0.0) {
+            return;
+        }
+        let sample = f64::from(work_blocks) / ttft_s;
+        let old = self.prefill_rate();
+        let n = self.rate_samples.fetch_add(1, Relaxed);
+        let new = if n == 0 {
+            sample
+        } else {
+            // The first samples replace the first guess quickly, then average.
+            let alpha = if n < 8 { 0.25 } else { RATE_ALPHA };
+            old + alpha * (sample - old)
+        };
+        self.prefill_rate
+            .store(new.clamp(1.0, 1e9).to_bits(), Relaxed);
+    }
+
+    /// Compares a report with the prediction. `ages[i]` is block `i`'s age
+    /// when the request was sent (new blocks this backend was sent since it
+    /// last was sent block `i`; `index::AGE_UNKNOWN` when not known).
+    /// `pinned_blocks`: prompt blocks of the backend's requests in flight.
+    pub fn observe(
+        &self,
+        usage: Usage,
+        predicted: u32,
+        ages: &[u64],
+        pinned_blocks: u32,
+    ) -> Correction {
+        let prompt_blocks = ages.len() as u32;
+        if usage.prompt_tokens == 0 || prompt_blocks == 0 {
+            return Correction::None;
+        }
+        // The engine's tokens onto the router's blocks, by share of the prompt.
+        let held = (u64::from(usage.cached_tokens.min(usage.prompt_tokens))
+            * u64::from(prompt_blocks)
+            / u64::from(usage.prompt_tokens)) as u32;
+        self.reports.fetch_add(1, Relaxed);
+        self.predicted_blocks
+            .fetch_add(u64::from(predicted), Relaxed);
+        self.reported_blocks.fetch_add(u64::from(held), Relaxed);
+        self.error_blocks
+            .fetch_add(u64::from(predicted.abs_diff(held)), Relaxed);
+        let age = |i: u32| {
+            ages.get(i as usize)
+                .copied()
+                .filter(|&a| a != crate::index::AGE_UNKNOWN)
+        };
+        let cap = f64::from_bits(self.capacity.load(Relaxed));
+        if held > 0 {
+            self.empty_in_row.store(0, Relaxed);
+        }
+        if held + TOLERANCE_BLOCKS < predicted {
+            self.over_predictions.fetch_add(1, Relaxed);
+            // One recent prompt lost whole can be an overloaded engine
+            // evicting under the memory its running requests hold; several
+            // in a row, with nothing held in between, is a flush.
+            // An engine whose running requests hold much of its memory
+            // evicts anything; only a calm engine's loss tells.
+            let calm = f64::from(pinned_blocks) < FLUSH_AGE_SHARE * cap;
+            if held == 0
+                && predicted >= FLUSH_MIN_BLOCKS
+                && calm
+                && age(0).is_some_and(|a| (a as f64) < FLUSH_AGE_SHARE * cap)
+            {
+                if self.empty_in_row.fetch_add(1, Relaxed) + 1 >= FLUSH_REPORTS {
+                    self.empty_in_row.store(0, Relaxed);
+                    self.flushes.fetch_add(1, Relaxed);
+                    return Correction::Flushed;
+                }
+                return Correction::None;
+            }
+            // Evicted at this age: the capacity is below it.
+            if let Some(a) = age(held + TOLERANCE_BLOCKS) {
+                self.learn_capacity(cap, a as f64, |a, c| a < c);
+            }
+        } else if predicted + TOLERANCE_BLOCKS < held {
+            self.under_predictions.fetch_add(1, Relaxed);
+        }
+        // Kept at this age: the capacity is at least it.
+        if held > TOLERANCE_BLOCKS
+            && let Some(a) = age(held.min(predicted).saturating_sub(TOLERANCE_BLOCKS + 1))
+        {
+            self.learn_capacity(cap, a as f64, |a, c| a > c);
+        }
+        Correction::None
+    }
+
+    fn learn_capacity(&self, cap: f64, age: f64, contradicts: impl Fn(f64, f64) -> bool) {
+        if !contradicts(age, cap) {
+            return;
+        }
+        let known = self.known_capacity.load(Relaxed);
+        let ceiling = if known > 0 { known as f64 } else { f64::MAX };
+        let next = (cap + CAPACITY_STEP * (age - cap)).clamp(MIN_CAPACITY_BLOCKS as f64, ceiling);
+        self.capacity.store(next.to_bits(), Relaxed);
+        self.capacity_samples.fetch_add(1, Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scan(parts: &[&[u8]]) -> Option<Usage> {
+        let mut s = UsageScanner::default();
+        for p in parts {
+            s.feed(p);
+        }
+        s.usage()
+    }
+
+    const JSON: &[u8] = br#"{"id":"x","choices":[{"text":"a"}],"usage":{"prompt_tokens":1234,"total_tokens":1300,"completion_tokens":66,"prompt_tokens_details":{"cached_tokens":1024}}}"#;
+
+    #[test]
+    fn finds_usage_in_a_json_answer() {
+        let u = scan(&[JSON]).unwrap();
+        assert_eq!(
+            u,
+            Usage {
+                prompt_tokens: 1234,
+                cached_tokens: 1024
+            }
+        );
+    }
+
+    #[test]
+    fn finds_usage_split_at_every_byte() {
+        for cut in 1..JSON.len() {
+            let u = scan(&[&JSON[..cut], &JSON[cut..]]);
+            assert_eq!(
+                u,
+                Some(Usage {
+                    prompt_tokens: 1234,
+                    cached_tokens: 1024
+                }),
+                "cut at {cut}"
+            );
+        }
+    }
+
+    #[test]
+    fn finds_usage_fed_byte_by_byte_and_in_sse() {
+        let sse = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\": 40, \"prompt_tokens_details\": {\"cached_tokens\": 32}}}\n\ndata: [DONE]\n\n";
+        let parts: Vec<&[u8]> = sse.chunks(1).collect();
+        assert_eq!(
+            scan(&parts),
+            Some(Usage {
+                prompt_tokens: 40,
+                cached_tokens: 32
+            })
+        );
+    }
+
+    #[test]
+    fn null_or_missing_cached_tokens_reports_nothing() {
+        assert_eq!(
+            scan(&[br#"{"usage":{"prompt_tokens":12,"prompt_tokens_details":null}}"#]),
+            None
+        );
+        assert_eq!(scan(&[br#"{"usage":{"prompt_tokens":12}}"#]), None);
+        // A number cut by the end of the stream is not trusted.
+        assert_eq!(scan(&[br#"{"prompt_tokens":12,"cached_tokens":1"#]), None);
+    }
+
+    #[test]
+    fn prompt_tokens_details_is_not_prompt_tokens() {
+        let u = scan(&[br#"{"prompt_tokens_details":{"cached_tokens":5},"prompt_tokens":9}"#]);
+        assert_eq!(
+            u,
+            Some(Usage {
+                prompt_tokens: 9,
+                cached_tokens: 5
+            })
+        );
+    }
+
+    fn usage(cached_of_1600: u32) -> Usage {
+        Usage {
+            prompt_tokens: 1600,
+            cached_tokens: cached_of_1600,
+        }
+    }
+
+    /// 100 blocks, block i last sent `base + i` new blocks ago.
+    fn ages(base: u64) -> Vec<u64> {
+        (0..100).map(|i| base + i).collect()
+    }
+
+    #[test]
+    fn a_right_prediction_changes_nothing() {
+        let f = Feedback::new(4096);
+        assert_eq!(f.observe(usage(800), 50, &ages(10), 0), Correction::None);
+        assert_eq!(f.observe(usage(784), 50, &ages(10), 0), Correction::None);
+        assert_eq!(f.capacity(), 4096);
+        assert_eq!(f.reports.load(Relaxed), 2);
+    }
+
+    #[test]
+    fn nothing_held_of_a_recent_prompt_is_a_flush() {
+        let f = Feedback::new(4096);
+        assert_eq!(f.observe(usage(0), 50, &ages(10), 0), Correction::None);
+        assert_eq!(f.observe(usage(0), 50, &ages(10), 0), Correction::None);
+        assert_eq!(f.observe(usage(0), 50, &ages(10), 0), Correction::Flushed);
+        assert_eq!(f.flushes.load(Relaxed), 1);
+        // Something held in between starts the count again.
+        assert_eq!(f.observe(usage(0), 50, &ages(10), 0), Correction::None);
+        assert_eq!(f.observe(usage(800), 50, &ages(10), 0), Correction::None);
+        assert_eq!(f.observe(usage(0), 50, &ages(10), 0), Correction::None);
+        assert_eq!(f.observe(usage(0), 50, &ages(10), 0), Correction::None);
+        assert_eq!(f.flushes.load(Relaxed), 1);
+        // Nothing held of an old prompt is an eviction: the capacity learns.
+        assert_eq!(f.observe(usage(0), 50, &ages(2000), 0), Correction::None);
+        assert!(f.capacity() < 4096);
+        // Nor is a busy engine's loss (its running requests hold memory).
+        let f = Feedback::new(4096);
+        for _ in 0..5 {
+            assert_eq!(f.observe(usage(0), 50, &ages(10), 2000), Correction::None);
+        }
+        // A short prediction is not evidence enough.
+        let f = Feedback::new(4096);
+        for _ in 0..5 {
+            assert_eq!(f.observe(usage(0), 8, &ages(10), 0), Correction::None);
+        }
+    }
+
+    #[test]
+    fn the_capacity_converges_to_where_the_engine_evicts() {
+        // An LRU engine keeping blocks up to 1,500 new blocks old.
+        let real = 1500u64;
+        for start in [65_536usize, 300] {
+            let f = Feedback::new(start);
+            let mut rng = 12345u64;
+            for _ in 0..400 {
+                rng = crate::select::mix(rng);
+                let a = ages(rng % 3000);
+                // The engine holds the leading blocks younger than `real`
+                // (ages grow along the prompt).
+                let held = a.iter().take_while(|&&x| x < real).count() as u32;
+                let u = Usage {
+                    prompt_tokens: 1600,
+                    cached_tokens: held * 16,
+                };
+                f.observe(u, 100, &a, 0);
+            }
+            let c = f.capacity() as f64;
+            assert!(
+                (c - real as f64).abs() < 0.25 * real as f64,
+                "from {start}: learned {c}, real {real}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_known_capacity_is_a_ceiling() {
+        let f = Feedback::new(65_536);
+        f.set_known_capacity(1000);
+        assert_eq!(f.capacity(), 1000);
+        // Kept blocks far older than 1000 cannot raise it above.
+        for _ in 0..20 {
+            f.observe(usage(1600), 100, &ages(5000), 0);
+        }
+        assert_eq!(f.capacity(), 1000);
+    }
+
+    #[test]
+    fn prefill_rate_follows_observations() {
+        let f = Feedback::new(1000);
+        assert_eq!(f.prefill_rate(), 0.0);
+        for _ in 0..40 {
+            f.observe_ttft(200, 0.1);
+        }
+        assert!(
+            (f.prefill_rate() - 2000.0).abs() < 50.0,
+            "{}",
+            f.prefill_rate()
+        );
+        // Tiny requests teach nothing.
+        f.observe_ttft(3, 10.0);
+        f.observe_ttft(31, 10.0);
+        assert!((f.prefill_rate() - 2000.0).abs() < 50.0);
+    }
+}
