@@ -175,6 +175,11 @@ pub struct Timeouts {
     pub client_body_ms: u64,
     /// An idle client keep-alive connection is closed after this.
     pub client_idle_ms: u64,
+    /// A client that accepts no response byte for this long is cut: its
+    /// backend request is cancelled (the backend connection closed) and its
+    /// in-flight slot given back. 10 s is far above any live reader's
+    /// pause, and short next to a generation a stuck client would hold.
+    pub client_write_ms: u64,
     /// Connecting to a backend.
     pub backend_connect_ms: u64,
     /// From request sent to the first response byte: covers queueing and
@@ -196,6 +201,7 @@ impl Default for Timeouts {
             client_header_ms: 10_000,
             client_body_ms: 60_000,
             client_idle_ms: 120_000,
+            client_write_ms: 10_000,
             backend_connect_ms: 2_000,
             backend_first_byte_ms: 300_000,
             backend_idle_ms: 300_000,

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 use monoio::net::TcpStream;
-use tracing::debug;
+use tracing::{debug, info};
 
 use crate::backend::{Backend, InFlight};
 use crate::config::{Config, ms};
@@ -177,9 +177,10 @@ pub async fn forward(
     let mut leftover = rhead.len + take < c.rbuf.len();
     c.out
         .extend_from_slice(&c.rbuf[rhead.len..rhead.len + take]);
-    write_all(&mut c.stream, &mut c.out)
+    let client_write = ms(cfg.timeouts.client_write_ms);
+    write_all(&mut c.stream, &mut c.out, client_write)
         .await
-        .map_err(|_| Failure::Abort)?;
+        .map_err(|e| client_gone(cfg, c, &e))?;
 
     let idle = ms(cfg.timeouts.backend_idle_ms);
     while !done {
@@ -189,9 +190,9 @@ pub async fn forward(
                 let (take, d) = tracker.feed(&c.rbuf[..n]).map_err(|_| Failure::Abort)?;
                 leftover |= take < n;
                 done = d;
-                write_range(&mut c.stream, &mut c.rbuf, 0, take)
+                write_range(&mut c.stream, &mut c.rbuf, 0, take, client_write)
                     .await
-                    .map_err(|_| Failure::Abort)?;
+                    .map_err(|e| client_gone(cfg, c, &e))?;
             }
             Read::Eof if rhead.framing == ResponseFraming::Close => done = true,
             Read::Eof | Read::Err(_) | Read::TimedOut => {
@@ -232,15 +233,17 @@ async fn exchange(
     bc: &mut BackendConn,
     inflight: &mut InFlight,
 ) -> Result<response::ResponseHead, Exchange> {
-    write_all(&mut bc.stream, &mut c.fwd)
-        .await
-        .map_err(|_| Exchange::NoResponse("write failed"))?;
+    let timeout = ms(cfg.timeouts.backend_idle_ms);
+    let res = write_all(&mut bc.stream, &mut c.fwd, timeout).await;
+    backend_written(cfg, c, res)?;
     if body_slice(c, body).len() > COALESCE_BODY {
         let res = match body {
-            Body::InBuf { start, end } => write_range(&mut bc.stream, &mut c.buf, start, end).await,
-            Body::Decoded => write_all(&mut bc.stream, &mut c.body).await,
+            Body::InBuf { start, end } => {
+                write_range(&mut bc.stream, &mut c.buf, start, end, timeout).await
+            }
+            Body::Decoded => write_all(&mut bc.stream, &mut c.body, timeout).await,
         };
-        res.map_err(|_| Exchange::NoResponse("write failed"))?;
+        backend_written(cfg, c, res)?;
     }
     c.rbuf.clear();
     let deadline = Instant::now() + ms(cfg.timeouts.backend_first_byte_ms);
@@ -284,6 +287,45 @@ async fn exchange(
             }
         }
     }
+}
+
+/// A failed write to the backend: a timeout lost the buffer with the
+/// cancelled write, so the request cannot be sent again.
+fn backend_written(
+    cfg: &Config,
+    c: &mut ClientConn,
+    res: std::io::Result<()>,
+) -> Result<(), Exchange> {
+    match res {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+            c.lost_buffers = true;
+            Err(Exchange::Failed(RouterError::new(
+                Kind::GatewayTimeout,
+                format!(
+                    "backend accepted no request bytes for {} ms (timeouts.backend_idle_ms)",
+                    cfg.timeouts.backend_idle_ms
+                ),
+            )))
+        }
+        Err(_) => Err(Exchange::NoResponse("write failed")),
+    }
+}
+
+/// The client connection failed while the response was streamed to it: a
+/// client that stopped reading is cut after `timeouts.client_write_ms`.
+/// Dropping the backend connection cancels the generation; the in-flight
+/// guard gives the slot back.
+fn client_gone(cfg: &Config, c: &mut ClientConn, e: &std::io::Error) -> Failure {
+    if e.kind() == std::io::ErrorKind::TimedOut {
+        c.lost_buffers = true;
+        info!(
+            peer = %c.peer,
+            ms = cfg.timeouts.client_write_ms,
+            "client accepted no response bytes (timeouts.client_write_ms); cutting it and its backend request"
+        );
+    }
+    Failure::Abort
 }
 
 async fn get_conn(

@@ -138,7 +138,13 @@ async fn accept_loop(worker: Rc<Worker>, listener: TcpListener) {
         };
         let router = &worker.router;
         let _ = stream.set_nodelay(true);
-        let max = router.config.load().limits.max_client_connections;
+        let (max, write_timeout) = {
+            let cfg = router.config.load();
+            (
+                cfg.limits.max_client_connections,
+                crate::config::ms(cfg.timeouts.client_write_ms),
+            )
+        };
         if router.shutting_down() || router.client_conns.load(Relaxed) >= max {
             let overloaded = !router.shutting_down();
             monoio::spawn(async move {
@@ -150,7 +156,12 @@ async fn accept_loop(worker: Rc<Worker>, listener: TcpListener) {
                     Kind::Unavailable,
                     "the router is at its connection limit or shutting down; retry shortly",
                 );
-                let _ = write_all(&mut stream, &mut e.to_response(true, Some(1))).await;
+                let _ = write_all(
+                    &mut stream,
+                    &mut e.to_response(true, Some(1)),
+                    write_timeout,
+                )
+                .await;
             });
             continue;
         }

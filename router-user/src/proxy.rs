@@ -65,6 +65,9 @@ pub struct ClientConn {
     /// Response bytes read from the backend.
     pub rbuf: Vec<u8>,
     pub blocks: PromptBlocks,
+    /// A write timed out and took one of the buffers with it: the
+    /// connection must close after this request.
+    pub lost_buffers: bool,
 }
 
 /// Serves a client connection until it closes, errs or idles out.
@@ -79,6 +82,7 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: SocketAddr) {
         out: Vec::with_capacity(1024),
         rbuf: Vec::new(),
         blocks: PromptBlocks::default(),
+        lost_buffers: false,
     };
     loop {
         let cfg = worker.router.config.load_full();
@@ -89,7 +93,10 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: SocketAddr) {
                 if e.kind != Kind::Internal || !e.message.is_empty() {
                     log_error(&e, &c.peer, "-");
                     // After a framing error the rest of the stream cannot be trusted.
-                    let _ = write_all(&mut c.stream, &mut e.to_response(true, None)).await;
+                    let retry_after = (e.kind == Kind::Unavailable).then_some(1);
+                    let mut resp = e.to_response(true, retry_after);
+                    let _ =
+                        write_all(&mut c.stream, &mut resp, ms(cfg.timeouts.client_write_ms)).await;
                 }
                 break;
             }
@@ -121,20 +128,27 @@ async fn one_request(
     // The router's own time starts once the whole request is in.
     let started = Instant::now();
     let result = route_and_forward(worker, cfg, c, &head, body, started).await;
-    // Drop this request's bytes; keep any pipelined request behind them.
-    c.buf.drain(..c.consumed);
+    // A write that timed out took a buffer with it: answer, then close.
+    let reusable = head.keep_alive && !c.lost_buffers;
+    if !c.lost_buffers {
+        // Drop this request's bytes; keep any pipelined request behind them.
+        c.buf.drain(..c.consumed);
+    }
     c.consumed = 0;
     match result {
-        Ok(close) => Ok(head.keep_alive && !close),
+        Ok(close) => Ok(reusable && !close),
         Err(e) => {
             log_error(&e, &c.peer, &head.path);
             // The request was read whole, so the connection stays usable.
             let retry_after = (e.kind == Kind::Unavailable).then_some(1);
-            let mut resp = e.to_response(!head.keep_alive, retry_after);
-            if write_all(&mut c.stream, &mut resp).await.is_err() {
+            let mut resp = e.to_response(!reusable, retry_after);
+            if write_all(&mut c.stream, &mut resp, ms(cfg.timeouts.client_write_ms))
+                .await
+                .is_err()
+            {
                 return Ok(false);
             }
-            Ok(head.keep_alive)
+            Ok(reusable)
         }
     }
 }
@@ -329,7 +343,7 @@ async fn read_length_body(
     let end = head.len + n as usize;
     if c.buf.len() < end {
         if head.expect_continue {
-            send_continue(c).await?;
+            send_continue(cfg, c).await?;
         }
         c.buf.reserve(end - c.buf.len());
         let deadline = Instant::now() + ms(cfg.timeouts.client_body_ms);
@@ -368,7 +382,7 @@ async fn read_chunked_body(
         }
         if head.expect_continue && !sent_continue {
             sent_continue = true;
-            send_continue(c).await?;
+            send_continue(cfg, c).await?;
         }
         read_body_more(cfg, c, deadline).await?;
     }
@@ -396,9 +410,9 @@ async fn read_body_more(
 }
 
 /// Answers `Expect: 100-continue` before the body is read.
-async fn send_continue(c: &mut ClientConn) -> Result<(), RouterError> {
+async fn send_continue(cfg: &Config, c: &mut ClientConn) -> Result<(), RouterError> {
     let mut cont = b"HTTP/1.1 100 Continue\r\n\r\n".to_vec();
-    write_all(&mut c.stream, &mut cont)
+    write_all(&mut c.stream, &mut cont, ms(cfg.timeouts.client_write_ms))
         .await
         .map_err(|_| closed())
 }
