@@ -216,12 +216,14 @@ pub fn ms(v: u64) -> Duration {
     Duration::from_millis(v)
 }
 
-/// Retries, only where a generation cannot be duplicated: the request never
-/// reached the backend, or the backend closed before any response byte.
+/// Re-sends, only where a generation cannot be duplicated: the connection
+/// failed, or broke before the request was written whole. A request written
+/// whole is never sent again (a close without an answer is a 502).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Retry {
-    /// Attempts per request, the first included (at most 4 candidates).
+    /// Sends per request, the first included (at most 4 candidates); a
+    /// fresh connection after a stale pooled one counts too.
     pub max_attempts: usize,
     /// Retries over all requests may be at most this percentage of first
     /// attempts (plus a reserve of 10), so retries cannot multiply the load

@@ -38,8 +38,9 @@ pub enum Body {
 
 /// Why an attempt did not complete.
 pub enum Failure {
-    /// The backend never got or never answered the request: try another.
-    Retry(RouterError),
+    /// No backend can have processed the request: send it again, for this
+    /// reason (counted toward `retry.max_attempts` and the retry budget).
+    Retry(RouterError, Resend),
     /// Answer the client with this error (nothing was sent to it yet).
     Answer(RouterError),
     /// Response bytes already reached the client and the stream broke: the
@@ -48,6 +49,36 @@ pub enum Failure {
     /// The backend reached `limits.max_in_flight_per_backend` after it was
     /// chosen (another worker took the last slot); nothing was sent.
     Full,
+}
+
+/// Why a request is sent again; the `reason` label of
+/// `prefix_router_resends_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resend {
+    /// A pooled connection failed before the request was written whole: the
+    /// same backend, on a fresh connection.
+    StalePooled,
+    /// Connecting to the backend failed or timed out: the next candidate.
+    ConnectFailed,
+    /// A fresh connection broke before the request was written whole: the
+    /// next candidate.
+    WriteFailed,
+}
+
+impl Resend {
+    pub const ALL: [Resend; 3] = [
+        Resend::StalePooled,
+        Resend::ConnectFailed,
+        Resend::WriteFailed,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Resend::StalePooled => "stale_pooled",
+            Resend::ConnectFailed => "connect_failed",
+            Resend::WriteFailed => "write_failed",
+        }
+    }
 }
 
 /// Completes `c.fwd` (the forwarded head) with the body's length and, when
@@ -92,6 +123,7 @@ pub async fn forward(
     backend: &Arc<Backend>,
     routed: &Routed,
     matched_blocks: u32,
+    fresh_only: bool,
 ) -> Result<bool, Failure> {
     let router = &worker.router;
     let uncached = (c.blocks.hashes.len() as u32).saturating_sub(matched_blocks);
@@ -114,46 +146,61 @@ pub async fn forward(
     }
     router.learn(backend, &c.blocks);
 
-    // A pooled connection may have been closed by the backend while idle; if
-    // it fails before any response byte, one fresh connection is tried.
-    let mut conn = None;
-    let mut fresh_only = false;
-    let rhead = loop {
-        let mut bc = match conn.take() {
-            Some(bc) => bc,
-            None => get_conn(worker, cfg, backend, fresh_only)
-                .await
-                .map_err(|e| {
-                    health::request_failed(router, backend, &e.message);
-                    Failure::Retry(e)
-                })?,
-        };
-        match exchange(cfg, c, head, body, &mut bc, &mut inflight).await {
-            Ok(h) => {
-                conn = Some(bc);
-                break h;
-            }
-            Err(Exchange::NoResponse(why)) if bc.reused => {
-                debug!(backend = %backend.url, why, "pooled connection was stale; reconnecting");
-                fresh_only = true;
-            }
-            Err(Exchange::NoResponse(why)) => {
-                health::request_failed(router, backend, why);
-                return Err(Failure::Retry(RouterError::retryable(
+    // The delivery rule: a request goes again (to this backend on a fresh
+    // connection, or to the next candidate) only when no backend can have
+    // processed it: the connection failed, or broke before the request was
+    // written whole. Once it was written whole, a close without a response
+    // byte is a 502: the engine may have run the generation.
+    let mut bc = get_conn(worker, cfg, backend, fresh_only)
+        .await
+        .map_err(|e| {
+            health::request_failed(router, backend, &e.message);
+            Failure::Retry(e, Resend::ConnectFailed)
+        })?;
+    let rhead = match exchange(cfg, c, head, body, &mut bc, &mut inflight).await {
+        Ok(h) => h,
+        Err(Exchange::NotSent(why)) if bc.reused => {
+            debug!(backend = %backend.url, why, "pooled connection failed before the request was written; sending it on a fresh one");
+            return Err(Failure::Retry(
+                RouterError::retryable(
                     Kind::BadGateway,
                     format!(
-                        "backend {} closed the connection before responding ({why})",
+                        "pooled connection to backend {} failed ({why})",
                         backend.url
                     ),
-                )));
-            }
-            Err(Exchange::Failed(e)) => {
-                health::request_failed(router, backend, &e.message);
-                return Err(Failure::Answer(e));
-            }
+                ),
+                Resend::StalePooled,
+            ));
+        }
+        Err(Exchange::NotSent(why)) => {
+            health::request_failed(router, backend, why);
+            return Err(Failure::Retry(
+                RouterError::retryable(
+                    Kind::BadGateway,
+                    format!(
+                        "sending the request to backend {} failed ({why})",
+                        backend.url
+                    ),
+                ),
+                Resend::WriteFailed,
+            ));
+        }
+        Err(Exchange::Unanswered(why)) => {
+            health::request_failed(router, backend, why);
+            router.metrics.unanswered();
+            return Err(Failure::Answer(RouterError::new(
+                Kind::BadGateway,
+                format!(
+                    "backend {} closed the connection without answering ({why}); the request is not sent again, as the backend may have processed it",
+                    backend.url
+                ),
+            )));
+        }
+        Err(Exchange::Failed(e)) => {
+            health::request_failed(router, backend, &e.message);
+            return Err(Failure::Answer(e));
         }
     };
-    let mut bc = conn.expect("set on break");
 
     // The client's head: the backend's, hop-by-hop headers dropped, ours added.
     let close_client = rhead.framing == ResponseFraming::Close || !head.keep_alive;
@@ -217,8 +264,11 @@ pub async fn forward(
 
 /// How an exchange failed before the response head was complete.
 enum Exchange {
-    /// No response byte arrived: the backend did not process the request.
-    NoResponse(&'static str),
+    /// The request was not written whole: no backend can have processed it.
+    NotSent(&'static str),
+    /// The request was written whole and the backend closed without a
+    /// response byte: it may have processed it.
+    Unanswered(&'static str),
     /// The backend answered garbage or too late.
     Failed(RouterError),
 }
@@ -256,9 +306,8 @@ async fn exchange(
         .await
         {
             Read::Data(_) => inflight.prefilled(),
-            Read::Eof | Read::Err(_) if c.rbuf.is_empty() => {
-                return Err(Exchange::NoResponse("connection closed"));
-            }
+            Read::Eof if c.rbuf.is_empty() => return Err(Exchange::Unanswered("closed")),
+            Read::Err(_) if c.rbuf.is_empty() => return Err(Exchange::Unanswered("reset")),
             Read::Eof | Read::Err(_) => {
                 return Err(Exchange::Failed(RouterError::new(
                     Kind::BadGateway,
@@ -308,7 +357,7 @@ fn backend_written(
                 ),
             )))
         }
-        Err(_) => Err(Exchange::NoResponse("write failed")),
+        Err(_) => Err(Exchange::NotSent("write failed")),
     }
 }
 

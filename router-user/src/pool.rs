@@ -3,6 +3,7 @@
 //! connection is the likeliest still open.
 
 use std::cell::RefCell;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
@@ -37,6 +38,25 @@ impl Drop for BackendConn {
     }
 }
 
+/// Whether an idle connection can carry a request: the backend has not
+/// closed or reset it, and sent nothing nobody asked for. One non-blocking
+/// `recv(MSG_PEEK)`: a backend's keep-alive timeout (uvicorn's is 5 s) closes
+/// idle connections, and a request written to one of them could not be told
+/// apart from one the backend read and dropped (see the delivery rule in
+/// `forward`). A close racing this check still gets a 502, never a re-send.
+fn still_open(stream: &TcpStream) -> bool {
+    use nix::sys::socket::{MsgFlags, recv};
+    let mut byte = [0u8; 1];
+    matches!(
+        recv(
+            stream.as_raw_fd(),
+            &mut byte,
+            MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT
+        ),
+        Err(nix::errno::Errno::EAGAIN)
+    )
+}
+
 struct Idle {
     conn: BackendConn,
     since: Instant,
@@ -62,7 +82,7 @@ impl Pool {
         while let Some(i) = stack.pop() {
             // A slot reused by a new backend after a reload has no old conns:
             // `forget` empties it on removal.
-            if i.since.elapsed() <= max_idle {
+            if i.since.elapsed() <= max_idle && still_open(&i.conn.stream) {
                 let mut conn = i.conn;
                 conn.reused = true;
                 return Some(conn);

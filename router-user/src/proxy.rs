@@ -166,6 +166,11 @@ async fn route_and_forward(
     let router = &worker.router;
     let deadline = Instant::now() + ms(cfg.timeouts.queue_ms);
     let mut head_finished = false;
+    // Sends so far, the reason for the next one, and whether the first paid
+    // into the retry budget; kept across re-routing after slot races.
+    let mut attempts = 0;
+    let mut resend: Option<forward::Resend> = None;
+    let mut deposited = false;
     loop {
         let mut routed = route_once(worker, c, head, body)?;
         let queued = routed.choice.len == 0 && queueable(cfg, &routed);
@@ -194,31 +199,61 @@ async fn route_and_forward(
             forward::finish_request_head(c, head, body);
             head_finished = true;
         }
-        let attempts = cfg.retry.max_attempts.min(routed.choice.len);
+        // Every send counts toward `retry.max_attempts` and, after the
+        // first, takes a token from the retry budget: a re-send is only ever
+        // of a request no backend can have processed (see `forward`).
         let mut last = None;
         let mut full = false;
-        for (attempt, pos) in routed.choice.iter().take(attempts).enumerate() {
-            if attempt == 0 {
-                worker.router.retry_budget.deposit();
-            } else if !worker.router.retry_budget.withdraw() {
-                warn!("retry budget spent: not retrying (retry.budget_percent)");
-                break;
+        let mut i = 0;
+        let mut fresh_only = false;
+        while i < routed.choice.len && attempts < cfg.retry.max_attempts {
+            if let Some(reason) = resend {
+                if !router.retry_budget.withdraw() {
+                    warn!(
+                        reason = reason.name(),
+                        "retry budget spent: not re-sending (retry.budget_percent)"
+                    );
+                    break;
+                }
+            } else if !deposited {
+                router.retry_budget.deposit();
+                deposited = true;
             }
+            let pos = usize::from(routed.choice.candidates[i]);
             let backend = routed.fleet.backends[pos].clone();
-            let matched = if attempt == 0 {
+            let matched = if i == 0 {
                 routed.choice.matched_blocks
             } else {
                 0
             };
-            match forward::forward(worker, cfg, c, head, body, &backend, &routed, matched).await {
+            let sent = forward::forward(
+                worker, cfg, c, head, body, &backend, &routed, matched, fresh_only,
+            )
+            .await;
+            if !matches!(sent, Err(forward::Failure::Full))
+                && let Some(reason) = resend.take()
+            {
+                router.metrics.resent(reason);
+            }
+            match sent {
                 Ok(close) => return Ok(close),
-                Err(forward::Failure::Retry(e)) => {
-                    warn!(backend = %backend.url, attempt, error = %e.message, "retrying on another backend");
+                Err(forward::Failure::Retry(e, reason)) => {
+                    attempts += 1;
+                    warn!(backend = %backend.url, attempts, reason = reason.name(), error = %e.message, "the backend cannot have processed the request; sending it again");
+                    resend = Some(reason);
+                    // A stale pooled connection: the same backend, on a fresh one.
+                    fresh_only = reason == forward::Resend::StalePooled;
+                    if !fresh_only {
+                        i += 1;
+                    }
                     last = Some(e);
                 }
                 Err(forward::Failure::Answer(e)) => return Err(e),
                 Err(forward::Failure::Abort) => return Ok(true),
-                Err(forward::Failure::Full) => full = true,
+                Err(forward::Failure::Full) => {
+                    full = true;
+                    i += 1;
+                }
             }
         }
         match last {
