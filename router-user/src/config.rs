@@ -28,6 +28,7 @@ pub struct Config {
     pub limits: Limits,
     pub timeouts: Timeouts,
     pub retry: Retry,
+    pub routes: Routes,
     pub health: Health,
     pub admin: Admin,
     pub log: Log,
@@ -48,6 +49,7 @@ impl Default for Config {
             limits: Limits::default(),
             timeouts: Timeouts::default(),
             retry: Retry::default(),
+            routes: Routes::default(),
             health: Health::default(),
             admin: Admin::default(),
             log: Log::default(),
@@ -240,6 +242,20 @@ impl Default for Retry {
     }
 }
 
+/// What the traffic port forwards. By default the inference API only:
+/// `POST /v1/chat/completions`, `POST /v1/completions`, `POST /generate`
+/// and `GET /v1/models`; any other path is a 404 that never reaches an
+/// engine (engines serve management routes such as `/reset_prefix_cache`
+/// and `/metrics` on the same port). Paths are matched after normalisation
+/// (`http::request::normalise_path`).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Routes {
+    /// More paths to forward, with any method, in normal form (e.g.
+    /// `"/v1/embeddings"`, `"/tokenize"`).
+    pub extra_allowed: Vec<String>,
+}
+
 /// Active health checks, and passive ejection.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -329,6 +345,15 @@ impl Config {
         }
         if !(0.0..=10.0).contains(&self.prefix.epsilon) {
             bail!("prefix.epsilon must be between 0 and 10");
+        }
+        for p in &self.routes.extra_allowed {
+            let mut norm = Vec::new();
+            crate::http::request::normalise_path(p.as_bytes(), &mut norm);
+            if !p.starts_with('/') || norm != p.as_bytes() || p.contains(['?', '%']) {
+                bail!(
+                    "routes.extra_allowed: {p:?} must be a path in normal form, like \"/v1/embeddings\""
+                );
+            }
         }
         if self.retry.max_attempts == 0 {
             bail!("retry.max_attempts must be at least 1");

@@ -21,6 +21,10 @@ pub enum Kind {
     BadRequest,
     /// The body is not valid JSON, or lacks the prompt the endpoint needs (400).
     InvalidBody,
+    /// The path is not on the traffic port's allowlist (404).
+    NotFound,
+    /// The path is, but not with this method (405).
+    MethodNotAllowed,
     /// The request body is over `limits.max_body_bytes` (413).
     BodyTooLarge,
     /// The request head is over `limits.max_header_bytes` (431).
@@ -43,6 +47,8 @@ impl Kind {
     pub fn status(self) -> u16 {
         match self {
             Kind::BadRequest | Kind::InvalidBody => 400,
+            Kind::NotFound => 404,
+            Kind::MethodNotAllowed => 405,
             Kind::ClientTimeout => 408,
             Kind::BodyTooLarge => 413,
             Kind::HeadersTooLarge => 431,
@@ -58,6 +64,8 @@ impl Kind {
         match self {
             Kind::BadRequest
             | Kind::InvalidBody
+            | Kind::NotFound
+            | Kind::MethodNotAllowed
             | Kind::BodyTooLarge
             | Kind::HeadersTooLarge
             | Kind::NotImplemented
@@ -157,6 +165,7 @@ pub fn reason(status: u16) -> &'static str {
         200 => "OK",
         400 => "Bad Request",
         404 => "Not Found",
+        405 => "Method Not Allowed",
         408 => "Request Timeout",
         413 => "Content Too Large",
         431 => "Request Header Fields Too Large",

@@ -138,7 +138,7 @@ async fn one_request(
     match result {
         Ok(close) => Ok(reusable && !close),
         Err(e) => {
-            log_error(&e, &c.peer, &head.path);
+            log_error(&e, &c.peer, head.path(&c.fwd));
             // The request was read whole, so the connection stays usable.
             let retry_after = (e.kind == Kind::Unavailable).then_some(1);
             let mut resp = e.to_response(!reusable, retry_after);
@@ -164,6 +164,7 @@ async fn route_and_forward(
     started: Instant,
 ) -> Result<bool, RouterError> {
     let router = &worker.router;
+    request::check_route(head, &c.fwd, &cfg.routes.extra_allowed)?;
     let deadline = Instant::now() + ms(cfg.timeouts.queue_ms);
     let mut head_finished = false;
     // Sends so far, the reason for the next one, and whether the first paid
