@@ -218,9 +218,14 @@ pub async fn forward(
     }
     c.out.extend_from_slice(b"\r\n");
     let mut tracker = Tracker::new(rhead.framing);
-    let (take, mut done) = tracker
-        .feed(&c.rbuf[rhead.len..])
-        .map_err(|_| Failure::Abort)?;
+    // A broken body before any byte reached the client is still a clean 502.
+    let (take, mut done) = tracker.feed(&c.rbuf[rhead.len..]).map_err(|e| {
+        health::request_failed(router, backend, &e.message);
+        Failure::Answer(RouterError::new(
+            Kind::BadGateway,
+            format!("backend sent an invalid response body ({})", e.message),
+        ))
+    })?;
     let mut leftover = rhead.len + take < c.rbuf.len();
     c.out
         .extend_from_slice(&c.rbuf[rhead.len..rhead.len + take]);
@@ -234,7 +239,11 @@ pub async fn forward(
         c.rbuf.clear();
         match read_more(&mut bc.stream, &mut c.rbuf, idle).await {
             Read::Data(n) => {
-                let (take, d) = tracker.feed(&c.rbuf[..n]).map_err(|_| Failure::Abort)?;
+                let (take, d) = tracker.feed(&c.rbuf[..n]).map_err(|e| {
+                    health::request_failed(router, backend, &e.message);
+                    debug!(backend = %backend.url, error = %e.message, "invalid response body mid-stream; closing the client connection");
+                    Failure::Abort
+                })?;
                 leftover |= take < n;
                 done = d;
                 write_range(&mut c.stream, &mut c.rbuf, 0, take, client_write)

@@ -23,9 +23,25 @@ pub struct ResponseHead {
     pub reusable: bool,
 }
 
+/// Headers of one hop, never relayed from a backend: framing is re-checked
+/// and written by us, and the client's connection is ours to manage.
+const HOP_BY_HOP: [&str; 7] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+    "proxy-authenticate",
+];
+
 /// Parses the backend's response head at the start of `buf`; `Ok(None)` when
 /// incomplete. Writes the head for the client to `out` (cleared first)
-/// without the final CRLF.
+/// without the final CRLF. Ambiguous framing is refused as a 502, as on the
+/// request side: both Content-Length and Transfer-Encoding, a transfer
+/// coding list that does not end in `chunked` (RFC 9112 section 6.3), a
+/// 101 nobody asked for (the router never forwards `Upgrade`). Hop-by-hop
+/// headers and those the `Connection` header lists are dropped.
 pub fn parse(
     buf: &[u8],
     request_was_head: bool,
@@ -41,13 +57,20 @@ pub fn parse(
         Err(e) => return Err(garbage(&format!("malformed response head: {e}"))),
     };
     let status = resp.code.unwrap_or(0);
+    if status == 101 {
+        return Err(garbage(
+            "101 Switching Protocols, but no upgrade was asked for",
+        ));
+    }
+    if status < 100 {
+        return Err(garbage("status code below 100"));
+    }
     let mut length = None;
-    let mut chunked = false;
+    let mut coded = false;
+    let mut chunked_last = false;
+    let mut chunked_times = 0;
+    let mut listed = false;
     let mut close = resp.version == Some(0);
-    out.clear();
-    out.extend_from_slice(
-        format!("HTTP/1.1 {status} {}\r\n", resp.reason.unwrap_or("")).as_bytes(),
-    );
     for h in resp.headers.iter() {
         let name = h.name;
         if name.eq_ignore_ascii_case("content-length") {
@@ -56,18 +79,38 @@ pub fn parse(
                 .and_then(|v| v.trim().parse::<u64>().ok());
             match (v, length) {
                 (Some(v), None) => length = Some(v),
-                (Some(v), Some(l)) if v == l => continue,
+                (Some(v), Some(l)) if v == l => {}
                 _ => return Err(garbage("invalid or conflicting Content-Length")),
             }
         } else if name.eq_ignore_ascii_case("transfer-encoding") {
-            if !has_token(h.value, "chunked") {
-                return Err(garbage("unsupported response transfer coding"));
+            for coding in h.value.split(|&b| b == b',').map(<[u8]>::trim_ascii) {
+                if coding.is_empty() {
+                    continue;
+                }
+                coded = true;
+                chunked_last = coding.eq_ignore_ascii_case(b"chunked");
+                chunked_times += usize::from(chunked_last);
             }
-            chunked = true;
         } else if name.eq_ignore_ascii_case("connection") {
             close |= has_token(h.value, "close");
-            continue;
-        } else if name.eq_ignore_ascii_case("keep-alive") {
+            listed = true;
+        }
+    }
+    if coded && length.is_some() {
+        return Err(garbage("both Content-Length and Transfer-Encoding"));
+    }
+    if coded && (!chunked_last || chunked_times != 1) {
+        return Err(garbage("a transfer coding that does not end in chunked"));
+    }
+    out.clear();
+    out.extend_from_slice(
+        format!("HTTP/1.1 {status} {}\r\n", resp.reason.unwrap_or("")).as_bytes(),
+    );
+    for h in resp.headers.iter() {
+        let name = h.name;
+        if HOP_BY_HOP.iter().any(|n| n.eq_ignore_ascii_case(name))
+            || (listed && connection_lists(resp.headers, name))
+        {
             continue;
         }
         out.extend_from_slice(name.as_bytes());
@@ -77,7 +120,7 @@ pub fn parse(
     }
     let framing = if request_was_head || status < 200 || status == 204 || status == 304 {
         ResponseFraming::None
-    } else if chunked {
+    } else if coded {
         ResponseFraming::Chunked
     } else if let Some(n) = length {
         ResponseFraming::Length(n)
@@ -91,6 +134,13 @@ pub fn parse(
         framing,
         reusable,
     }))
+}
+
+/// Whether a `Connection` header among `headers` lists `name`.
+fn connection_lists(headers: &[httparse::Header], name: &str) -> bool {
+    headers
+        .iter()
+        .any(|h| h.name.eq_ignore_ascii_case("connection") && has_token(h.value, name))
 }
 
 fn garbage(what: &str) -> RouterError {
@@ -150,6 +200,50 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!(h.framing, ResponseFraming::None);
+    }
+
+    #[test]
+    fn ambiguous_framing_and_upgrades_are_refused() {
+        let mut out = Vec::new();
+        for raw in [
+            &b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: gzip\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, chunked\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n",
+        ] {
+            let e = parse(raw, false, 8192, &mut out).unwrap_err();
+            assert_eq!(e.status(), 502, "{:?}", String::from_utf8_lossy(raw));
+        }
+        let h = parse(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
+            false,
+            8192,
+            &mut out,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(h.framing, ResponseFraming::Chunked);
+    }
+
+    #[test]
+    fn connection_listed_and_hop_by_hop_headers_are_dropped() {
+        let mut out = Vec::new();
+        parse(
+            b"HTTP/1.1 200 OK\r\nConnection: close, X-Secret\r\nX-Secret: s\r\nKeep-Alive: 5\r\nUpgrade: h2c\r\nX-Kept: 1\r\nContent-Length: 2\r\n\r\n",
+            false,
+            8192,
+            &mut out,
+        )
+        .unwrap()
+        .unwrap();
+        let head = String::from_utf8(out).unwrap();
+        assert_eq!(
+            head,
+            "HTTP/1.1 200 OK\r\nX-Kept: 1\r\nContent-Length: 2\r\n"
+        );
     }
 
     #[test]
