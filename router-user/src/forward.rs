@@ -264,7 +264,10 @@ pub async fn forward(
     } else {
         health::request_succeeded(backend);
     }
-    router.metrics.observe_response(backend.slot, rhead.status);
+    if !backend.state.removed.load(Relaxed) {
+        // A removed backend's slot may belong to another already.
+        router.metrics.observe_response(backend.slot, rhead.status);
+    }
     if rhead.reusable && !leftover {
         worker.pool.put(bc, cfg.limits.max_idle_per_backend);
     }

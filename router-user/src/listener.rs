@@ -23,6 +23,9 @@ const RING_ENTRIES: u32 = 4096;
 const BACKLOG: i32 = 4096;
 /// How often idle pooled backend connections are swept.
 const POOL_SWEEP_SECS: u64 = 5;
+/// How often each worker checks whether a reload swapped the fleet (one
+/// pointer load), to drop removed backends' pooled connections.
+const FLEET_WATCH: std::time::Duration = std::time::Duration::from_millis(100);
 
 type Runtime = monoio::Runtime<monoio::time::TimeDriver<monoio::IoUringDriver>>;
 
@@ -116,14 +119,22 @@ fn resolve_port(addr: SocketAddr) -> anyhow::Result<(SocketAddr, Option<socket2:
 async fn accept_loop(worker: Rc<Worker>, listener: TcpListener) {
     let sweeper = worker.clone();
     monoio::spawn(async move {
+        // Sweep every POOL_SWEEP_SECS, and at once after a reload swapped the
+        // fleet (so removed backends' connections close promptly).
+        let mut fleet = sweeper.router.fleet.load_full();
+        let mut swept = std::time::Instant::now();
         loop {
-            monoio::time::sleep(std::time::Duration::from_secs(POOL_SWEEP_SECS)).await;
+            monoio::time::sleep(FLEET_WATCH).await;
+            let now = sweeper.router.fleet.load_full();
+            if Arc::ptr_eq(&now, &fleet) && swept.elapsed().as_secs() < POOL_SWEEP_SECS {
+                continue;
+            }
+            fleet = now;
+            swept = std::time::Instant::now();
             let cfg = sweeper.router.config.load();
-            let fleet = sweeper.router.fleet.load();
-            sweeper.pool.sweep(
-                crate::config::ms(cfg.timeouts.backend_pool_idle_ms),
-                |slot, b| fleet.by_slot(slot).is_some_and(|f| Arc::ptr_eq(f, b)),
-            );
+            sweeper
+                .pool
+                .sweep(crate::config::ms(cfg.timeouts.backend_pool_idle_ms));
         }
     });
     loop {

@@ -62,6 +62,13 @@ impl Metrics {
         self.routing_seconds.observe(took.as_secs_f64());
     }
 
+    /// A new backend took `slot`: its response counts start at zero.
+    pub fn clear_slot(&self, slot: usize) {
+        for c in &self.responses[slot] {
+            c.store(0, Relaxed);
+        }
+    }
+
     pub fn resent(&self, reason: Resend) {
         self.resends[reason as usize].fetch_add(1, Relaxed);
     }

@@ -41,6 +41,7 @@ type Handler = dyn Fn(&FakeRequest, &mut TcpStream) -> bool + Send + Sync;
 pub struct FakeBackend {
     pub addr: SocketAddr,
     requests: Arc<AtomicUsize>,
+    open: Arc<AtomicUsize>,
     log: Arc<Mutex<Vec<FakeRequest>>>,
     stop: Arc<AtomicBool>,
 }
@@ -57,23 +58,29 @@ impl FakeBackend {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind fake backend");
         let addr = listener.local_addr().expect("local addr");
         let requests = Arc::new(AtomicUsize::new(0));
+        let open = Arc::new(AtomicUsize::new(0));
         let log = Arc::new(Mutex::new(Vec::new()));
         let stop = Arc::new(AtomicBool::new(false));
         let handler: Arc<Handler> = Arc::new(handler);
-        let (r, l, st) = (requests.clone(), log.clone(), stop.clone());
+        let (r, o, l, st) = (requests.clone(), open.clone(), log.clone(), stop.clone());
         std::thread::spawn(move || {
             for s in listener.incoming() {
                 if st.load(Ordering::Relaxed) {
                     return;
                 }
                 let Ok(s) = s else { continue };
-                let (r, l, h) = (r.clone(), l.clone(), handler.clone());
-                std::thread::spawn(move || connection(s, &r, &l, &*h));
+                let (r, o, l, h) = (r.clone(), o.clone(), l.clone(), handler.clone());
+                o.fetch_add(1, Ordering::SeqCst);
+                std::thread::spawn(move || {
+                    connection(s, &r, &l, &*h);
+                    o.fetch_sub(1, Ordering::SeqCst);
+                });
             }
         });
         FakeBackend {
             addr,
             requests,
+            open,
             log,
             stop,
         }
@@ -87,6 +94,12 @@ impl FakeBackend {
     /// Complete requests received (health probes not counted).
     pub fn requests(&self) -> usize {
         self.requests.load(Ordering::SeqCst)
+    }
+
+    /// Connections accepted and not yet closed (by either side; a peer's
+    /// close is seen when the fake next reads).
+    pub fn open_connections(&self) -> usize {
+        self.open.load(Ordering::SeqCst)
     }
 
     /// Every request received so far, in order.

@@ -395,6 +395,11 @@ fn pooled_connections_do_not_outlive_a_reload() {
     reload();
     write(&[&b, &c]);
     reload();
+    assert!(
+        wait_until(SETTLE, || a.open_connections() == 0),
+        "{} pooled connections to the removed backend stayed open",
+        a.open_connections()
+    );
     let at_a = a.requests();
     for i in 0..40 {
         assert_eq!(post_chat(r.addr, &format!("after {i}")).status, 200);
