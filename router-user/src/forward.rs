@@ -203,54 +203,81 @@ pub async fn forward(
     };
 
     // The client's head: the backend's, hop-by-hop headers dropped, ours added.
-    let close_client = rhead.framing == ResponseFraming::Close || !head.keep_alive;
+    // An HTTP/1.0 client has no chunked coding: it gets the body decoded and
+    // delimited by the close of the connection.
+    let dechunk = head.http10 && rhead.framing == ResponseFraming::Chunked;
+    let close_client = rhead.framing == ResponseFraming::Close || !head.keep_alive || dechunk;
     if cfg.debug_headers {
-        c.out.extend_from_slice(
-            format!(
-                "x-prefix-router-backend: {}\r\nx-prefix-router-matched-blocks: {}\r\nx-prefix-router-decision: {:?}\r\n",
-                backend.url, matched_blocks, routed.choice.decision
-            )
-            .as_bytes(),
+        use std::io::Write as _;
+        let _ = write!(
+            c.out,
+            "x-prefix-router-backend: {}\r\nx-prefix-router-matched-blocks: {}\r\nx-prefix-router-decision: {:?}\r\n",
+            backend.url, matched_blocks, routed.choice.decision
         );
     }
     if close_client {
         c.out.extend_from_slice(b"connection: close\r\n");
     }
     c.out.extend_from_slice(b"\r\n");
-    let mut tracker = Tracker::new(rhead.framing);
-    // A broken body before any byte reached the client is still a clean 502.
-    let (take, mut done) = tracker.feed(&c.rbuf[rhead.len..]).map_err(|e| {
-        health::request_failed(router, backend, &e.message);
-        Failure::Answer(RouterError::new(
-            Kind::BadGateway,
-            format!("backend sent an invalid response body ({})", e.message),
-        ))
-    })?;
-    let mut leftover = rhead.len + take < c.rbuf.len();
-    c.out
-        .extend_from_slice(&c.rbuf[rhead.len..rhead.len + take]);
-    let client_write = ms(cfg.timeouts.client_write_ms);
-    write_all(&mut c.stream, &mut c.out, client_write)
-        .await
-        .map_err(|e| client_gone(cfg, c, &e))?;
 
+    // The response body, in one loop that every byte passes, in order: the
+    // bytes read with the head first (sent behind the head in one write),
+    // then each read from the backend. The next read waits until the client
+    // took this one, so a slow reader backs up into the backend, not memory.
+    let mut tracker = Tracker::new(rhead.framing);
+    let client_write = ms(cfg.timeouts.client_write_ms);
     let idle = ms(cfg.timeouts.backend_idle_ms);
-    while !done {
+    let mut leftover = false;
+    let (mut start, mut end) = (rhead.len, c.rbuf.len());
+    let mut first = true;
+    loop {
+        if dechunk && !first {
+            c.out.clear();
+        }
+        // `bytes` is what the backend sent; with `dechunk` the decoded body
+        // goes to `c.out`.
+        let bytes = &c.rbuf[start..end];
+        let fed = tracker.feed(bytes, dechunk.then_some(&mut c.out));
+        let (take, done) = match fed {
+            Ok(x) => x,
+            Err(e) => {
+                health::request_failed(router, backend, &e.message);
+                if first {
+                    // Nothing reached the client yet: still a clean 502.
+                    return Err(Failure::Answer(RouterError::new(
+                        Kind::BadGateway,
+                        format!("backend sent an invalid response body ({})", e.message),
+                    )));
+                }
+                debug!(backend = %backend.url, error = %e.message, "invalid response body mid-stream; closing the client connection");
+                return Err(Failure::Abort);
+            }
+        };
+        leftover |= take < bytes.len();
+        let sent = if dechunk {
+            write_all(&mut c.stream, &mut c.out, client_write).await
+        } else if first {
+            c.out.extend_from_slice(&c.rbuf[start..start + take]);
+            write_all(&mut c.stream, &mut c.out, client_write).await
+        } else {
+            write_range(
+                &mut c.stream,
+                &mut c.rbuf,
+                start,
+                start + take,
+                client_write,
+            )
+            .await
+        };
+        sent.map_err(|e| client_gone(cfg, c, &e))?;
+        first = false;
+        if done {
+            break;
+        }
         c.rbuf.clear();
         match read_more(&mut bc.stream, &mut c.rbuf, idle).await {
-            Read::Data(n) => {
-                let (take, d) = tracker.feed(&c.rbuf[..n]).map_err(|e| {
-                    health::request_failed(router, backend, &e.message);
-                    debug!(backend = %backend.url, error = %e.message, "invalid response body mid-stream; closing the client connection");
-                    Failure::Abort
-                })?;
-                leftover |= take < n;
-                done = d;
-                write_range(&mut c.stream, &mut c.rbuf, 0, take, client_write)
-                    .await
-                    .map_err(|e| client_gone(cfg, c, &e))?;
-            }
-            Read::Eof if rhead.framing == ResponseFraming::Close => done = true,
+            Read::Data(n) => (start, end) = (0, n),
+            Read::Eof if rhead.framing == ResponseFraming::Close => break,
             Read::Eof | Read::Err(_) | Read::TimedOut => {
                 health::request_failed(router, backend, "response stream broke");
                 debug!(backend = %backend.url, "backend stream ended early; closing the client connection");
@@ -337,7 +364,11 @@ async fn exchange(
             }
         }
         loop {
-            match response::parse(&c.rbuf, head.method_is_head, MAX_RESPONSE_HEAD, &mut c.out) {
+            let client = response::Client {
+                request_was_head: head.method_is_head,
+                http10: head.http10,
+            };
+            match response::parse(&c.rbuf, &client, MAX_RESPONSE_HEAD, &mut c.out) {
                 Ok(Some(h)) if (100..200).contains(&h.status) && h.status != 101 => {
                     // An interim response (we never forward Expect): skip it.
                     c.rbuf.drain(..h.len);
@@ -443,8 +474,13 @@ impl Tracker {
         }
     }
 
-    /// How many of `bytes` belong to the response, and whether it is complete.
-    fn feed(&mut self, bytes: &[u8]) -> Result<(usize, bool), RouterError> {
+    /// How many of `bytes` belong to the response, and whether it is
+    /// complete. A chunked body's data is appended to `decoded` when given.
+    fn feed(
+        &mut self,
+        bytes: &[u8],
+        decoded: Option<&mut Vec<u8>>,
+    ) -> Result<(usize, bool), RouterError> {
         match self {
             Tracker::Done => Ok((0, true)),
             Tracker::Length(left) => {
@@ -453,7 +489,7 @@ impl Tracker {
                 Ok((take as usize, *left == 0))
             }
             Tracker::Chunked(d) => {
-                let take = d.feed(bytes, None)?;
+                let take = d.feed(bytes, decoded)?;
                 Ok((take, d.is_done()))
             }
             Tracker::Close => Ok((bytes.len(), false)),

@@ -23,6 +23,17 @@ pub struct ResponseHead {
     pub reusable: bool,
 }
 
+/// What the head written for the client depends on.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Client {
+    /// The request was `HEAD`: no body follows whatever the framing says.
+    pub request_was_head: bool,
+    /// The client speaks HTTP/1.0: a chunked body reaches it decoded and
+    /// close-delimited, so `Transfer-Encoding` is not relayed (and codings
+    /// other than `chunked` are refused: it could not undo them).
+    pub http10: bool,
+}
+
 /// Headers of one hop, never relayed from a backend: framing is re-checked
 /// and written by us, and the client's connection is ours to manage.
 const HOP_BY_HOP: [&str; 7] = [
@@ -44,10 +55,11 @@ const HOP_BY_HOP: [&str; 7] = [
 /// headers and those the `Connection` header lists are dropped.
 pub fn parse(
     buf: &[u8],
-    request_was_head: bool,
+    client: &Client,
     max_header_bytes: usize,
     out: &mut Vec<u8>,
 ) -> Result<Option<ResponseHead>, RouterError> {
+    let request_was_head = client.request_was_head;
     let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut resp = httparse::Response::new(&mut headers);
     let len = match resp.parse(buf) {
@@ -102,6 +114,21 @@ pub fn parse(
     if coded && (!chunked_last || chunked_times != 1) {
         return Err(garbage("a transfer coding that does not end in chunked"));
     }
+    let only_chunked = !client.http10 || !coded || {
+        let mut codings = resp
+            .headers
+            .iter()
+            .filter(|h| h.name.eq_ignore_ascii_case("transfer-encoding"))
+            .flat_map(|h| h.value.split(|&b| b == b',').map(<[u8]>::trim_ascii))
+            .filter(|c| !c.is_empty());
+        codings
+            .next()
+            .is_some_and(|c| c.eq_ignore_ascii_case(b"chunked"))
+            && codings.next().is_none()
+    };
+    if !only_chunked {
+        return Err(garbage("a transfer coding an HTTP/1.0 client cannot undo"));
+    }
     out.clear();
     out.extend_from_slice(
         format!("HTTP/1.1 {status} {}\r\n", resp.reason.unwrap_or("")).as_bytes(),
@@ -110,6 +137,7 @@ pub fn parse(
         let name = h.name;
         if HOP_BY_HOP.iter().any(|n| n.eq_ignore_ascii_case(name))
             || (listed && connection_lists(resp.headers, name))
+            || (client.http10 && name.eq_ignore_ascii_case("transfer-encoding"))
         {
             continue;
         }
@@ -159,7 +187,7 @@ mod tests {
         let mut out = Vec::new();
         let h = parse(
             b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: keep-alive\r\n\r\nhello",
-            false,
+            &Client::default(),
             8192,
             &mut out,
         )
@@ -170,21 +198,26 @@ mod tests {
         assert_eq!(out, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n");
         let h = parse(
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
-            false,
+            &Client::default(),
             8192,
             &mut out,
         )
         .unwrap()
         .unwrap();
         assert_eq!(h.framing, ResponseFraming::Chunked);
-        let h = parse(b"HTTP/1.1 200 OK\r\n\r\n", false, 8192, &mut out)
-            .unwrap()
-            .unwrap();
+        let h = parse(
+            b"HTTP/1.1 200 OK\r\n\r\n",
+            &Client::default(),
+            8192,
+            &mut out,
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!(h.framing, ResponseFraming::Close);
         assert!(!h.reusable);
         let h = parse(
             b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\n",
-            false,
+            &Client::default(),
             8192,
             &mut out,
         )
@@ -193,7 +226,10 @@ mod tests {
         assert!(!h.reusable);
         let h = parse(
             b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n",
-            true,
+            &Client {
+                request_was_head: true,
+                ..Client::default()
+            },
             8192,
             &mut out,
         )
@@ -214,12 +250,12 @@ mod tests {
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n",
             b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n",
         ] {
-            let e = parse(raw, false, 8192, &mut out).unwrap_err();
+            let e = parse(raw, &Client::default(), 8192, &mut out).unwrap_err();
             assert_eq!(e.status(), 502, "{:?}", String::from_utf8_lossy(raw));
         }
         let h = parse(
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
-            false,
+            &Client::default(),
             8192,
             &mut out,
         )
@@ -233,7 +269,7 @@ mod tests {
         let mut out = Vec::new();
         parse(
             b"HTTP/1.1 200 OK\r\nConnection: close, X-Secret\r\nX-Secret: s\r\nKeep-Alive: 5\r\nUpgrade: h2c\r\nX-Kept: 1\r\nContent-Length: 2\r\n\r\n",
-            false,
+            &Client::default(),
             8192,
             &mut out,
         )
@@ -247,18 +283,44 @@ mod tests {
     }
 
     #[test]
+    fn http10_clients_get_no_transfer_encoding() {
+        let mut out = Vec::new();
+        let ten = Client {
+            http10: true,
+            ..Client::default()
+        };
+        let h = parse(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\n\r\n",
+            &ten,
+            8192,
+            &mut out,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(h.framing, ResponseFraming::Chunked);
+        assert_eq!(out, b"HTTP/1.1 200 OK\r\nX-A: 1\r\n");
+        let raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n";
+        assert_eq!(parse(raw, &ten, 8192, &mut out).unwrap_err().status(), 502);
+    }
+
+    #[test]
     fn garbage_is_a_bad_gateway() {
         let mut out = Vec::new();
         assert_eq!(
-            parse(b"SSH-2.0-OpenSSH\r\n\r\n", false, 8192, &mut out)
-                .unwrap_err()
-                .status(),
+            parse(
+                b"SSH-2.0-OpenSSH\r\n\r\n",
+                &Client::default(),
+                8192,
+                &mut out
+            )
+            .unwrap_err()
+            .status(),
             502
         );
         assert_eq!(
             parse(
                 b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
-                false,
+                &Client::default(),
                 8192,
                 &mut out
             )
