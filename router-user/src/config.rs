@@ -153,6 +153,11 @@ pub struct Limits {
     pub max_in_flight_per_backend: u32,
     /// Idle pooled connections kept per backend per worker.
     pub max_idle_per_backend: usize,
+    /// Request body bytes buffered over all connections (bodies are read
+    /// whole before routing). Past it, a body that would grow gets 503 with
+    /// Retry-After. 256 MiB holds eight maximal bodies, or thousands of
+    /// usual prompts; the first 64 KiB of each connection are not counted.
+    pub max_buffered_body_bytes: usize,
 }
 
 impl Default for Limits {
@@ -163,6 +168,7 @@ impl Default for Limits {
             max_client_connections: 20_000,
             max_in_flight_per_backend: 0,
             max_idle_per_backend: 128,
+            max_buffered_body_bytes: 256 * 1024 * 1024,
         }
     }
 }

@@ -7,8 +7,10 @@ use monoio::buf::{IoBuf, IoBufMut};
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
 use monoio::net::TcpStream;
 
-/// Spare room ensured before each read.
-const READ_CHUNK: usize = 16 * 1024;
+/// Room added before a read when less than `MIN_SPARE` is left.
+pub const READ_CHUNK: usize = 16 * 1024;
+/// Spare room below which a read first grows the buffer.
+pub const MIN_SPARE: usize = READ_CHUNK / 4;
 
 /// Outcome of a read with a deadline.
 pub enum Read {
@@ -18,10 +20,13 @@ pub enum Read {
     Err(io::Error),
 }
 
-/// Appends what the socket has to `buf` (growing it by up to `READ_CHUNK`).
+/// Appends what the socket has to `buf` (growing it by `READ_CHUNK` when
+/// less than `MIN_SPARE` is free).
 pub async fn read_more(stream: &mut TcpStream, buf: &mut Vec<u8>, timeout: Duration) -> Read {
-    if buf.capacity() - buf.len() < READ_CHUNK / 4 {
-        buf.reserve(READ_CHUNK);
+    if buf.capacity() - buf.len() < MIN_SPARE {
+        // Exact: bodies grow by the caller's policy (and budget), never by
+        // the allocator's doubling behind its back.
+        buf.reserve_exact(READ_CHUNK);
     }
     let len = buf.len();
     let owned = std::mem::take(buf);

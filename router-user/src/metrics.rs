@@ -219,6 +219,13 @@ impl Metrics {
             "Requests sent again because no backend can have processed them, by reason",
             resends,
         );
+        let buffered = Gauge::<i64>::default();
+        buffered.set(crate::budget::in_use() as i64);
+        reg.register(
+            "buffered_body_bytes",
+            "Request body bytes buffered now, against limits.max_buffered_body_bytes",
+            buffered,
+        );
         let unanswered = Counter::<u64>::default();
         unanswered.inc_by(self.unanswered.load(Relaxed));
         reg.register(

@@ -13,6 +13,7 @@ use std::time::Instant;
 use monoio::net::TcpStream;
 use tracing::{info, warn};
 
+use crate::budget;
 use crate::config::{Config, ms};
 use crate::error::{Kind, RouterError, Side};
 use crate::extract::Extractor;
@@ -26,6 +27,18 @@ use crate::router::{PromptBlocks, RouteRequest, RouteScratch, Routed, Router};
 /// Buffers that grew past this for one large request are given back after it,
 /// so idle connections stay small.
 const KEEP_BUFFER: usize = 64 * 1024;
+/// Body buffers (and the worker's parse scratch) over this are given back
+/// to the system after their request: rare uploads this large must not keep
+/// their memory, while the usual prompts (up to a few hundred KB) keep
+/// their scratch warm. Matches the allocator's fixed mmap threshold
+/// (`listener::MMAP_THRESHOLD`), so they are their own mappings.
+pub const RETURN_ABOVE: usize = 4 * 1024 * 1024;
+/// A body buffer grows by half its size (at least one read chunk) at a
+/// time, as bytes arrive: never by the declared length up front.
+const GROW_MIN: usize = crate::io::READ_CHUNK;
+/// After a 413 or 503 with a body unread, how long the router keeps reading
+/// (and discarding) it, so the client reads the answer instead of a reset.
+const LINGER: Duration = Duration::from_secs(2);
 /// How often a request queued for room under `limits.max_in_flight_per_backend`
 /// checks the backends' in-flight counters (atomic loads; it routes again only
 /// when one has room). 1 ms is short next to a generation and cheap to poll.
@@ -44,6 +57,16 @@ impl Worker {
             router,
             pool: Pool::default(),
             scratch: RefCell::new(Default::default()),
+        }
+    }
+
+    /// Drops the parse scratch (a copy of the body, the canonical prompt)
+    /// after a body over `RETURN_ABOVE`; smaller ones keep theirs for speed.
+    fn shrink_scratch(&self) {
+        let mut s = self.scratch.borrow_mut();
+        s.0 = Extractor::default();
+        if s.1.canonical.capacity() > RETURN_ABOVE {
+            s.1.canonical = Vec::new();
         }
     }
 }
@@ -68,6 +91,8 @@ pub struct ClientConn {
     /// A write timed out and took one of the buffers with it: the
     /// connection must close after this request.
     pub lost_buffers: bool,
+    /// This connection's share of `limits.max_buffered_body_bytes`.
+    charge: budget::Charge,
 }
 
 /// Serves a client connection until it closes, errs or idles out.
@@ -83,11 +108,21 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: SocketAddr) {
         rbuf: Vec::new(),
         blocks: PromptBlocks::default(),
         lost_buffers: false,
+        charge: budget::Charge::default(),
     };
     loop {
         let cfg = worker.router.config.load_full();
-        match one_request(&worker, &cfg, &mut c).await {
-            Ok(true) if !worker.router.shutting_down() => shrink(&mut c),
+        let result = one_request(&worker, &cfg, &mut c).await;
+        if c.buf.capacity().max(c.body.capacity()) > RETURN_ABOVE {
+            // The worker's parse scratch grew with this body: give it back.
+            worker.shrink_scratch();
+        }
+        match result {
+            Ok(true) if !worker.router.shutting_down() => {
+                shrink(&mut c);
+                let bytes = budget::charge_for([c.buf.capacity(), c.body.capacity()]);
+                c.charge.set(bytes, usize::MAX);
+            }
             Ok(_) => break,
             Err(e) => {
                 if e.kind != Kind::Internal || !e.message.is_empty() {
@@ -95,8 +130,12 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: SocketAddr) {
                     // After a framing error the rest of the stream cannot be trusted.
                     let retry_after = (e.kind == Kind::Unavailable).then_some(1);
                     let mut resp = e.to_response(true, retry_after);
-                    let _ =
-                        write_all(&mut c.stream, &mut resp, ms(cfg.timeouts.client_write_ms)).await;
+                    let write = ms(cfg.timeouts.client_write_ms);
+                    if write_all(&mut c.stream, &mut resp, write).await.is_ok()
+                        && matches!(e.kind, Kind::BodyTooLarge | Kind::Unavailable)
+                    {
+                        linger(&mut c).await;
+                    }
                 }
                 break;
             }
@@ -378,12 +417,18 @@ async fn read_length_body(
     }
     let end = head.len + n as usize;
     if c.buf.len() < end {
+        let budget = cfg.limits.max_buffered_body_bytes;
+        let need = budget::charge_for([end, c.body.capacity()]).saturating_sub(c.charge.held());
+        if !budget::would_fit(need, budget) {
+            return Err(budget_spent(cfg));
+        }
         if head.expect_continue {
             send_continue(cfg, c).await?;
         }
-        c.buf.reserve(end - c.buf.len());
         let deadline = Instant::now() + ms(cfg.timeouts.client_body_ms);
         while c.buf.len() < end {
+            let other = c.body.capacity();
+            grow(cfg, &mut c.buf, other, &mut c.charge, Some(end))?;
             read_body_more(cfg, c, deadline).await?;
         }
     }
@@ -406,6 +451,17 @@ async fn read_chunked_body(
     let deadline = Instant::now() + ms(cfg.timeouts.client_body_ms);
     let mut sent_continue = false;
     loop {
+        // Decoded bytes are no more than raw ones: room for them all first.
+        let incoming = c.buf.len() - pos;
+        if c.body.capacity() - c.body.len() < incoming {
+            let cap = c.body.capacity();
+            let target = (cap + cap / 2).max(c.body.len() + incoming);
+            let bytes = budget::charge_for([c.buf.capacity(), target]);
+            if !c.charge.set(bytes, cfg.limits.max_buffered_body_bytes) {
+                return Err(budget_spent(cfg));
+            }
+            c.body.reserve_exact(target - c.body.len());
+        }
         pos += dec.feed(&c.buf[pos..], Some(&mut c.body))?;
         if dec.decoded_len() > max {
             return Err(RouterError::new(
@@ -420,10 +476,72 @@ async fn read_chunked_body(
             sent_continue = true;
             send_continue(cfg, c).await?;
         }
+        let other = c.body.capacity();
+        grow(cfg, &mut c.buf, other, &mut c.charge, None)?;
         read_body_more(cfg, c, deadline).await?;
     }
     c.consumed = pos;
     Ok(Body::Decoded)
+}
+
+/// Makes room in `buf` for the next read of a body (ending at `end` in
+/// `buf` when known), charging the growth to the connection's share of the
+/// body budget first: 503 when it is spent.
+fn grow(
+    cfg: &Config,
+    buf: &mut Vec<u8>,
+    other: usize,
+    charge: &mut budget::Charge,
+    end: Option<usize>,
+) -> Result<(), RouterError> {
+    if buf.capacity() - buf.len() >= crate::io::MIN_SPARE {
+        return Ok(());
+    }
+    let cap = buf.capacity();
+    let mut target = (cap + cap / 2).max(buf.len() + GROW_MIN);
+    if let Some(end) = end {
+        target = target.min(end + crate::io::MIN_SPARE);
+    }
+    if !charge.set(
+        budget::charge_for([target, other]),
+        cfg.limits.max_buffered_body_bytes,
+    ) {
+        return Err(budget_spent(cfg));
+    }
+    buf.reserve_exact(target - buf.len());
+    Ok(())
+}
+
+fn budget_spent(cfg: &Config) -> RouterError {
+    RouterError::new(
+        Kind::Unavailable,
+        format!(
+            "the router is buffering {} MiB of request bodies, its limit (limits.max_buffered_body_bytes); retry shortly",
+            cfg.limits.max_buffered_body_bytes >> 20
+        ),
+    )
+}
+
+/// Reads and discards what the client still sends, for up to `LINGER`,
+/// after the write side is shut: a close with unread bytes would reset the
+/// connection and could destroy the answer before the client read it.
+async fn linger(c: &mut ClientConn) {
+    use monoio::io::AsyncWriteRent;
+    let _ = c.stream.shutdown().await;
+    c.buf = Vec::with_capacity(crate::io::READ_CHUNK);
+    let deadline = Instant::now() + LINGER;
+    loop {
+        c.buf.clear();
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero()
+            || !matches!(
+                read_more(&mut c.stream, &mut c.buf, left).await,
+                Read::Data(_)
+            )
+        {
+            return;
+        }
+    }
 }
 
 /// Reads more of the body, within the body deadline.

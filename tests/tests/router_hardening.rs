@@ -498,6 +498,10 @@ fn buffered_bodies_have_a_global_budget() {
         s.write_all(&body).unwrap();
         assert_eq!(split_raw(&read_all(&mut s)).0, 200);
     }
+    eprintln!(
+        "router RSS: {rss_before} KiB at start, {} KiB after the uploads",
+        r.rss_kib()
+    );
     let settled = wait_until(SETTLE, || {
         r.rss_kib().saturating_sub(rss_before) < 24 * 1024
     });
