@@ -34,7 +34,10 @@ pub struct Config {
     pub log: Log,
     /// The XDP connection counters (`[ebpf]`).
     pub ebpf: crate::ebpf::EbpfConfig,
-    /// Add `x-prefix-router-backend` and `x-prefix-router-matched-blocks` to responses.
+    /// Add `x-prefix-router-backend` and `x-prefix-router-matched-blocks` to
+    /// responses, keep the engine's identity headers (`server`,
+    /// `x-engine-id`), and put the internal detail (backend URL, OS error)
+    /// in error answers. Off, clients learn nothing of the backends.
     pub debug_headers: bool,
 }
 

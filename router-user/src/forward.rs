@@ -154,7 +154,7 @@ pub async fn forward(
     let mut bc = get_conn(worker, cfg, backend, fresh_only)
         .await
         .map_err(|e| {
-            health::request_failed(router, backend, &e.message);
+            health::request_failed(router, backend, &e.to_string());
             Failure::Retry(e, Resend::ConnectFailed)
         })?;
     let rhead = match exchange(cfg, c, head, body, &mut bc, &mut inflight).await {
@@ -162,13 +162,8 @@ pub async fn forward(
         Err(Exchange::NotSent(why)) if bc.reused => {
             debug!(backend = %backend.url, why, "pooled connection failed before the request was written; sending it on a fresh one");
             return Err(Failure::Retry(
-                RouterError::retryable(
-                    Kind::BadGateway,
-                    format!(
-                        "pooled connection to backend {} failed ({why})",
-                        backend.url
-                    ),
-                ),
+                RouterError::retryable(Kind::BadGateway, "a pooled backend connection failed")
+                    .with_detail(format!("backend {}: {why}", backend.url)),
                 Resend::StalePooled,
             ));
         }
@@ -177,24 +172,22 @@ pub async fn forward(
             return Err(Failure::Retry(
                 RouterError::retryable(
                     Kind::BadGateway,
-                    format!(
-                        "sending the request to backend {} failed ({why})",
-                        backend.url
-                    ),
-                ),
+                    "sending the request to the backend failed",
+                )
+                .with_detail(format!("backend {}: {why}", backend.url)),
                 Resend::WriteFailed,
             ));
         }
         Err(Exchange::Unanswered(why)) => {
             health::request_failed(router, backend, why);
             router.metrics.unanswered();
-            return Err(Failure::Answer(RouterError::new(
-                Kind::BadGateway,
-                format!(
-                    "backend {} closed the connection without answering ({why}); the request is not sent again, as the backend may have processed it",
-                    backend.url
-                ),
-            )));
+            return Err(Failure::Answer(
+                RouterError::new(
+                    Kind::BadGateway,
+                    "the backend closed the connection without answering; the request is not sent again, as the backend may have processed it",
+                )
+                .with_detail(format!("backend {}: {why}", backend.url)),
+            ));
         }
         Err(Exchange::Failed(e)) => {
             health::request_failed(router, backend, &e.message);
@@ -367,6 +360,7 @@ async fn exchange(
             let client = response::Client {
                 request_was_head: head.method_is_head,
                 http10: head.http10,
+                hide_engine: !cfg.debug_headers,
             };
             match response::parse(&c.rbuf, &client, MAX_RESPONSE_HEAD, &mut c.out) {
                 Ok(Some(h)) if (100..200).contains(&h.status) && h.status != 101 => {
@@ -437,19 +431,20 @@ async fn get_conn(
     let stream = match monoio::time::timeout(ms(cfg.timeouts.backend_connect_ms), connect).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
-            return Err(RouterError::retryable(
-                Kind::BadGateway,
-                format!("cannot connect to backend {}: {e}", backend.url),
-            ));
+            return Err(
+                RouterError::retryable(Kind::BadGateway, "cannot connect to the backend")
+                    .with_detail(format!("backend {}: {e}", backend.url)),
+            );
         }
         Err(_) => {
             return Err(RouterError::retryable(
                 Kind::BadGateway,
                 format!(
-                    "connecting to backend {} took over {} ms",
-                    backend.url, cfg.timeouts.backend_connect_ms
+                    "connecting to the backend took over {} ms",
+                    cfg.timeouts.backend_connect_ms
                 ),
-            ));
+            )
+            .with_detail(format!("backend {}", backend.url)));
         }
     };
     let _ = stream.set_nodelay(true);

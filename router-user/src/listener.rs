@@ -187,7 +187,7 @@ async fn accept_loop(worker: Rc<Worker>, listener: TcpListener) {
                 );
                 let _ = write_all(
                     &mut stream,
-                    &mut e.to_response(true, Some(1)),
+                    &mut e.to_response(true, Some(1), false),
                     write_timeout,
                 )
                 .await;

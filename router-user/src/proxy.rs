@@ -129,7 +129,7 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: SocketAddr) {
                     log_error(&e, &c.peer, "-");
                     // After a framing error the rest of the stream cannot be trusted.
                     let retry_after = (e.kind == Kind::Unavailable).then_some(1);
-                    let mut resp = e.to_response(true, retry_after);
+                    let mut resp = e.to_response(true, retry_after, cfg.debug_headers);
                     let write = ms(cfg.timeouts.client_write_ms);
                     if write_all(&mut c.stream, &mut resp, write).await.is_ok()
                         && matches!(e.kind, Kind::BodyTooLarge | Kind::Unavailable)
@@ -180,7 +180,7 @@ async fn one_request(
             log_error(&e, &c.peer, head.path(&c.fwd));
             // The request was read whole, so the connection stays usable.
             let retry_after = (e.kind == Kind::Unavailable).then_some(1);
-            let mut resp = e.to_response(!reusable, retry_after);
+            let mut resp = e.to_response(!reusable, retry_after, cfg.debug_headers);
             if write_all(&mut c.stream, &mut resp, ms(cfg.timeouts.client_write_ms))
                 .await
                 .is_err()
@@ -279,7 +279,7 @@ async fn route_and_forward(
                 Ok(close) => return Ok(close),
                 Err(forward::Failure::Retry(e, reason)) => {
                     attempts += 1;
-                    warn!(backend = %backend.url, attempts, reason = reason.name(), error = %e.message, "the backend cannot have processed the request; sending it again");
+                    warn!(backend = %backend.url, attempts, reason = reason.name(), error = %e, "the backend cannot have processed the request; sending it again");
                     resend = Some(reason);
                     // A stale pooled connection: the same backend, on a fresh one.
                     fresh_only = reason == forward::Resend::StalePooled;
@@ -598,12 +598,13 @@ fn shrink(c: &mut ClientConn) {
 }
 
 fn log_error(e: &RouterError, peer: &SocketAddr, path: &str) {
+    let detail = e.detail.as_deref().unwrap_or("");
     match e.kind.side() {
         Side::Client => {
-            info!(%peer, path, status = e.status(), error = %e.message, "refused request")
+            info!(%peer, path, status = e.status(), error = %e.message, detail, "refused request")
         }
         Side::Backend | Side::Internal => {
-            warn!(%peer, path, status = e.status(), error = %e.message, "request failed")
+            warn!(%peer, path, status = e.status(), error = %e.message, detail, "request failed")
         }
     }
 }

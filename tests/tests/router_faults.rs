@@ -96,7 +96,13 @@ fn killing_an_engine_mid_stream_ends_its_streams_and_spares_the_others() {
     let b = SimEngine::spawn(&["--id", "b"]);
     let r = Router::spawn(
         &[a.url(), b.url()],
-        &["--policy", "round-robin", "--health-interval-ms", "0"],
+        &[
+            "--policy",
+            "round-robin",
+            "--health-interval-ms",
+            "0",
+            "--debug-headers",
+        ],
         "",
     );
     let (tx, rx) = mpsc::channel();
@@ -204,7 +210,13 @@ fn engine_500s_reach_the_client_and_eject_the_engine() {
     let good = SimEngine::spawn(&["--time-scale", "0", "--id", "good"]);
     let r = Router::spawn(
         &[bad.url(), good.url()],
-        &["--policy", "round-robin", "--health-interval-ms", "0"],
+        &[
+            "--policy",
+            "round-robin",
+            "--health-interval-ms",
+            "0",
+            "--debug-headers",
+        ],
         "[health]\npassive_fall = 3\n",
     );
     let mut fails = 0;
@@ -338,7 +350,13 @@ fn a_request_is_not_sent_twice_once_the_engine_answered_bytes() {
     let good = SimEngine::spawn(&["--time-scale", "0", "--id", "good"]);
     let r = Router::spawn(
         &[dropping.url(), good.url()],
-        &["--policy", "round-robin", "--health-interval-ms", "0"],
+        &[
+            "--policy",
+            "round-robin",
+            "--health-interval-ms",
+            "0",
+            "--debug-headers",
+        ],
         "[health]\npassive_fall = 1000\n",
     );
     let (mut truncated, mut complete) = (0u64, 0u64);
@@ -376,7 +394,7 @@ fn active_health_flips_only_after_fall_results_and_back_after_rise() {
     let other = SimEngine::spawn(&["--time-scale", "0", "--id", "other"]);
     let r = Router::spawn(
         &[e.url(), other.url()],
-        &[],
+        &["--debug-headers"],
         "[health]\ninterval_ms = 200\ntimeout_ms = 500\nfall = 3\nrise = 2\n",
     );
     let healthy = |r: &Router| r.backend(&e.url())["healthy"] == true;

@@ -32,7 +32,13 @@ pub struct Client {
     /// close-delimited, so `Transfer-Encoding` is not relayed (and codings
     /// other than `chunked` are refused: it could not undo them).
     pub http10: bool,
+    /// Drop the headers that name the engine (`ENGINE_IDENTITY`); off with
+    /// `debug_headers`.
+    pub hide_engine: bool,
 }
+
+/// Headers that tell a client which engine (and which software) answered.
+const ENGINE_IDENTITY: [&str; 2] = ["server", "x-engine-id"];
 
 /// Headers of one hop, never relayed from a backend: framing is re-checked
 /// and written by us, and the client's connection is ours to manage.
@@ -138,6 +144,7 @@ pub fn parse(
         if HOP_BY_HOP.iter().any(|n| n.eq_ignore_ascii_case(name))
             || (listed && connection_lists(resp.headers, name))
             || (client.http10 && name.eq_ignore_ascii_case("transfer-encoding"))
+            || (client.hide_engine && ENGINE_IDENTITY.iter().any(|n| n.eq_ignore_ascii_case(name)))
         {
             continue;
         }
@@ -301,6 +308,22 @@ mod tests {
         assert_eq!(out, b"HTTP/1.1 200 OK\r\nX-A: 1\r\n");
         let raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n";
         assert_eq!(parse(raw, &ten, 8192, &mut out).unwrap_err().status(), 502);
+    }
+
+    #[test]
+    fn engine_identity_is_hidden_unless_asked() {
+        let raw = b"HTTP/1.1 200 OK\r\nServer: uvicorn\r\nX-Engine-Id: e3\r\nX-A: 1\r\nContent-Length: 0\r\n\r\n";
+        let mut out = Vec::new();
+        let hide = Client {
+            hide_engine: true,
+            ..Client::default()
+        };
+        parse(raw, &hide, 8192, &mut out).unwrap().unwrap();
+        assert_eq!(out, b"HTTP/1.1 200 OK\r\nX-A: 1\r\nContent-Length: 0\r\n");
+        parse(raw, &Client::default(), 8192, &mut out)
+            .unwrap()
+            .unwrap();
+        assert!(String::from_utf8_lossy(&out).contains("X-Engine-Id: e3"));
     }
 
     #[test]

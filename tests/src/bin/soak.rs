@@ -103,9 +103,10 @@ fn main() -> anyhow::Result<()> {
         .iter()
         .map(|p| format!("http://127.0.0.1:{p}"))
         .collect();
+    // Debug headers: outcomes are attributed to the engine that answered.
     let router = Router::spawn(
         &urls,
-        &[],
+        &["--debug-headers"],
         "[health]\ninterval_ms = 200\ntimeout_ms = 500\nrise = 2\nfall = 2\npassive_fall = 3\n",
     );
     let pid = router.child.pid();
