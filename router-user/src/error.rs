@@ -29,7 +29,7 @@ pub enum Kind {
     BodyTooLarge,
     /// The request head is over `limits.max_header_bytes` (431).
     HeadersTooLarge,
-    /// A transfer coding other than `chunked` (501).
+    /// A transfer coding other than `chunked`, or an unknown method (501).
     NotImplemented,
     /// The client took too long to send its request (408).
     ClientTimeout,
