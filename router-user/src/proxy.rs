@@ -279,7 +279,7 @@ async fn route_and_forward(
                 Ok(close) => return Ok(close),
                 Err(forward::Failure::Retry(e, reason)) => {
                     attempts += 1;
-                    warn!(backend = %backend.url, attempts, reason = reason.name(), error = %e, "the backend cannot have processed the request; sending it again");
+                    warn!(backend = %backend.url, attempts, reason = reason.name(), error = %e, "attempt failed before the backend could have processed the request; it may be sent again");
                     resend = Some(reason);
                     // A stale pooled connection: the same backend, on a fresh one.
                     fresh_only = reason == forward::Resend::StalePooled;

@@ -474,7 +474,18 @@ fn buffered_bodies_have_a_global_budget() {
     // The first upload holds 11 MiB of the 16 MiB budget.
     let (mut first, body) = start_upload(r.addr, BIG);
     first.write_all(&body[..11 << 20]).unwrap();
-    std::thread::sleep(Duration::from_millis(500));
+    let buffered = |r: &Router| -> u64 {
+        r.metrics()
+            .lines()
+            .find_map(|l| l.strip_prefix("prefix_router_buffered_body_bytes "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    assert!(
+        wait_until(SETTLE, || buffered(&r) >= 10 << 20),
+        "the first upload is not buffered: {} bytes",
+        buffered(&r)
+    );
     // The second cannot get its 12 MiB.
     let (mut second, body2) = start_upload(r.addr, BIG);
     let mut reader = second.try_clone().unwrap();
