@@ -21,10 +21,17 @@ pub struct Backend {
     pub addr: SocketAddr,
     /// Hash of the URL: rendezvous hashing agrees across router instances.
     pub id_hash: u64,
+    /// Unique over the process's life: a backend added again after removal,
+    /// or another taking a freed slot, is a new generation, so nothing keyed
+    /// by it (pooled connections) carries over.
+    pub generation: u64,
     pub state: BackendState,
     /// What its answers taught: prediction error, prefill rate.
     pub feedback: Feedback,
 }
+
+/// The next `Backend::generation`.
+static GENERATIONS: AtomicU64 = AtomicU64::new(1);
 
 /// Live counters and health of a backend.
 #[derive(Debug, Default)]
@@ -41,6 +48,9 @@ pub struct BackendState {
     pub rst_per_sec: AtomicU32,
     pub healthy: AtomicBool,
     pub draining: AtomicBool,
+    /// A reload took it out of the fleet; its in-flight requests finish,
+    /// its connections are not pooled again.
+    pub removed: AtomicBool,
     /// Failed requests in a row (passive health).
     pub failures_in_row: AtomicU32,
     /// Health probes passed / failed in a row.
@@ -63,6 +73,7 @@ impl Backend {
             url: url.to_owned(),
             addr,
             id_hash: xxh3_64(url.as_bytes()),
+            generation: GENERATIONS.fetch_add(1, Relaxed),
             state: BackendState::default(),
             feedback: Feedback::new(kv_blocks),
         };

@@ -28,12 +28,16 @@ pub struct Config {
     pub limits: Limits,
     pub timeouts: Timeouts,
     pub retry: Retry,
+    pub routes: Routes,
     pub health: Health,
     pub admin: Admin,
     pub log: Log,
     /// The XDP connection counters (`[ebpf]`).
     pub ebpf: crate::ebpf::EbpfConfig,
-    /// Add `x-prefix-router-backend` and `x-prefix-router-matched-blocks` to responses.
+    /// Add `x-prefix-router-backend` and `x-prefix-router-matched-blocks` to
+    /// responses, keep the engine's identity headers (`server`,
+    /// `x-engine-id`), and put the internal detail (backend URL, OS error)
+    /// in error answers. Off, clients learn nothing of the backends.
     pub debug_headers: bool,
 }
 
@@ -48,6 +52,7 @@ impl Default for Config {
             limits: Limits::default(),
             timeouts: Timeouts::default(),
             retry: Retry::default(),
+            routes: Routes::default(),
             health: Health::default(),
             admin: Admin::default(),
             log: Log::default(),
@@ -186,6 +191,11 @@ pub struct Limits {
     pub max_in_flight_per_backend: u32,
     /// Idle pooled connections kept per backend per worker.
     pub max_idle_per_backend: usize,
+    /// Request body bytes buffered over all connections (bodies are read
+    /// whole before routing). Past it, a body that would grow gets 503 with
+    /// Retry-After. 256 MiB holds eight maximal bodies, or thousands of
+    /// usual prompts; the first 64 KiB of each connection are not counted.
+    pub max_buffered_body_bytes: usize,
 }
 
 impl Default for Limits {
@@ -196,6 +206,7 @@ impl Default for Limits {
             max_client_connections: 20_000,
             max_in_flight_per_backend: 0,
             max_idle_per_backend: 128,
+            max_buffered_body_bytes: 256 * 1024 * 1024,
         }
     }
 }
@@ -210,6 +221,11 @@ pub struct Timeouts {
     pub client_body_ms: u64,
     /// An idle client keep-alive connection is closed after this.
     pub client_idle_ms: u64,
+    /// A client that accepts no response byte for this long is cut: its
+    /// backend request is cancelled (the backend connection closed) and its
+    /// in-flight slot given back. 10 s is far above any live reader's
+    /// pause, and short next to a generation a stuck client would hold.
+    pub client_write_ms: u64,
     /// Connecting to a backend.
     pub backend_connect_ms: u64,
     /// From request sent to the first response byte: covers queueing and
@@ -231,6 +247,7 @@ impl Default for Timeouts {
             client_header_ms: 10_000,
             client_body_ms: 60_000,
             client_idle_ms: 120_000,
+            client_write_ms: 10_000,
             backend_connect_ms: 2_000,
             backend_first_byte_ms: 300_000,
             backend_idle_ms: 300_000,
@@ -245,12 +262,14 @@ pub fn ms(v: u64) -> Duration {
     Duration::from_millis(v)
 }
 
-/// Retries, only where a generation cannot be duplicated: the request never
-/// reached the backend, or the backend closed before any response byte.
+/// Re-sends, only where a generation cannot be duplicated: the connection
+/// failed, or broke before the request was written whole. A request written
+/// whole is never sent again (a close without an answer is a 502).
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Retry {
-    /// Attempts per request, the first included (at most 4 candidates).
+    /// Sends per request, the first included (at most 4 candidates); a
+    /// fresh connection after a stale pooled one counts too.
     pub max_attempts: usize,
     /// Retries over all requests may be at most this percentage of first
     /// attempts (plus a reserve of 10), so retries cannot multiply the load
@@ -265,6 +284,20 @@ impl Default for Retry {
             budget_percent: 20,
         }
     }
+}
+
+/// What the traffic port forwards. By default the inference API only:
+/// `POST /v1/chat/completions`, `POST /v1/completions`, `POST /generate`
+/// and `GET /v1/models`; any other path is a 404 that never reaches an
+/// engine (engines serve management routes such as `/reset_prefix_cache`
+/// and `/metrics` on the same port). Paths are matched after normalisation
+/// (`http::request::normalise_path`).
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Routes {
+    /// More paths to forward, with any method, in normal form (e.g.
+    /// `"/v1/embeddings"`, `"/tokenize"`).
+    pub extra_allowed: Vec<String>,
 }
 
 /// Active health checks, and passive ejection.
@@ -362,6 +395,15 @@ impl Config {
         }
         if !(self.prefix.overload_cost_blocks >= 0.0 && self.prefix.pressure_slack >= 0.0) {
             bail!("prefix.overload_cost_blocks and prefix.pressure_slack must be at least 0");
+        }
+        for p in &self.routes.extra_allowed {
+            let mut norm = Vec::new();
+            crate::http::request::normalise_path(p.as_bytes(), &mut norm);
+            if !p.starts_with('/') || norm != p.as_bytes() || p.contains(['?', '%']) {
+                bail!(
+                    "routes.extra_allowed: {p:?} must be a path in normal form, like \"/v1/embeddings\""
+                );
+            }
         }
         if self.retry.max_attempts == 0 {
             bail!("retry.max_attempts must be at least 1");

@@ -21,11 +21,15 @@ pub enum Kind {
     BadRequest,
     /// The body is not valid JSON, or lacks the prompt the endpoint needs (400).
     InvalidBody,
+    /// The path is not on the traffic port's allowlist (404).
+    NotFound,
+    /// The path is, but not with this method (405).
+    MethodNotAllowed,
     /// The request body is over `limits.max_body_bytes` (413).
     BodyTooLarge,
     /// The request head is over `limits.max_header_bytes` (431).
     HeadersTooLarge,
-    /// A transfer coding other than `chunked` (501).
+    /// A transfer coding other than `chunked`, or an unknown method (501).
     NotImplemented,
     /// The client took too long to send its request (408).
     ClientTimeout,
@@ -43,6 +47,8 @@ impl Kind {
     pub fn status(self) -> u16 {
         match self {
             Kind::BadRequest | Kind::InvalidBody => 400,
+            Kind::NotFound => 404,
+            Kind::MethodNotAllowed => 405,
             Kind::ClientTimeout => 408,
             Kind::BodyTooLarge => 413,
             Kind::HeadersTooLarge => 431,
@@ -58,6 +64,8 @@ impl Kind {
         match self {
             Kind::BadRequest
             | Kind::InvalidBody
+            | Kind::NotFound
+            | Kind::MethodNotAllowed
             | Kind::BodyTooLarge
             | Kind::HeadersTooLarge
             | Kind::NotImplemented
@@ -83,8 +91,12 @@ pub struct RouterError {
     pub kind: Kind,
     /// True when the request never reached a backend, so another may take it.
     pub retryable: bool,
-    /// A message a person can act on.
+    /// A message a person can act on; sent to the client, so it names no
+    /// backend address and no OS error.
     pub message: String,
+    /// What only the operator should see (backend URL, OS error): logged,
+    /// and sent to the client only with `debug_headers`.
+    pub detail: Option<String>,
 }
 
 impl RouterError {
@@ -93,7 +105,14 @@ impl RouterError {
             kind,
             retryable: false,
             message: message.into(),
+            detail: None,
         }
+    }
+
+    /// Adds what only the operator should see (see `detail`).
+    pub fn with_detail(mut self, detail: impl Into<String>) -> Self {
+        self.detail = Some(detail.into());
+        self
     }
 
     pub fn retryable(kind: Kind, message: impl Into<String>) -> Self {
@@ -101,6 +120,7 @@ impl RouterError {
             kind,
             retryable: true,
             message: message.into(),
+            detail: None,
         }
     }
 
@@ -109,11 +129,16 @@ impl RouterError {
     }
 
     /// The whole HTTP response for this error. `close` adds `connection: close`
-    /// (after framing errors the byte stream can no longer be trusted).
-    pub fn to_response(&self, close: bool, retry_after: Option<u32>) -> Vec<u8> {
+    /// (after framing errors the byte stream can no longer be trusted);
+    /// `debug` (`debug_headers`) appends the detail to the message.
+    pub fn to_response(&self, close: bool, retry_after: Option<u32>, debug: bool) -> Vec<u8> {
+        let message = match &self.detail {
+            Some(d) if debug => format!("{}: {d}", self.message),
+            _ => self.message.clone(),
+        };
         let body = serde_json::json!({
             "error": {
-                "message": self.message,
+                "message": message,
                 "type": self.kind.openai_type(),
                 "param": null,
                 "code": self.status(),
@@ -144,7 +169,10 @@ impl RouterError {
 
 impl fmt::Display for RouterError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} ({})", self.message, self.status())
+        match &self.detail {
+            Some(d) => write!(f, "{}: {d} ({})", self.message, self.status()),
+            None => write!(f, "{} ({})", self.message, self.status()),
+        }
     }
 }
 
@@ -157,6 +185,7 @@ pub fn reason(status: u16) -> &'static str {
         200 => "OK",
         400 => "Bad Request",
         404 => "Not Found",
+        405 => "Method Not Allowed",
         408 => "Request Timeout",
         413 => "Content Too Large",
         431 => "Request Header Fields Too Large",
@@ -176,7 +205,7 @@ mod tests {
     #[test]
     fn error_response_is_openai_shaped_json() {
         let e = RouterError::new(Kind::BodyTooLarge, "body is 5 bytes, the limit is 4");
-        let resp = String::from_utf8(e.to_response(true, None)).unwrap();
+        let resp = String::from_utf8(e.to_response(true, None, false)).unwrap();
         assert!(resp.starts_with("HTTP/1.1 413 Content Too Large\r\n"));
         assert!(resp.contains("connection: close\r\n"));
         let body = resp.split("\r\n\r\n").nth(1).unwrap();
@@ -184,5 +213,22 @@ mod tests {
         assert_eq!(v["error"]["code"], 413);
         assert_eq!(v["error"]["type"], "invalid_request_error");
         assert_eq!(v["error"]["message"], "body is 5 bytes, the limit is 4");
+    }
+
+    #[test]
+    fn details_reach_the_client_only_in_debug_mode() {
+        let e = RouterError::new(Kind::BadGateway, "cannot connect to the backend")
+            .with_detail("http://10.0.0.7:8000: Connection refused (os error 111)");
+        let plain = String::from_utf8(e.to_response(false, None, false)).unwrap();
+        assert!(
+            !plain.contains("10.0.0.7") && !plain.contains("os error"),
+            "{plain}"
+        );
+        let debug = String::from_utf8(e.to_response(false, None, true)).unwrap();
+        assert!(debug.contains("10.0.0.7:8000"), "{debug}");
+        assert!(
+            e.to_string().contains("os error 111"),
+            "logs keep the detail"
+        );
     }
 }

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 use monoio::net::TcpStream;
-use tracing::debug;
+use tracing::{debug, info};
 
 use crate::backend::{Backend, InFlight};
 use crate::config::{Config, ms};
@@ -39,8 +39,9 @@ pub enum Body {
 
 /// Why an attempt did not complete.
 pub enum Failure {
-    /// The backend never got or never answered the request: try another.
-    Retry(RouterError),
+    /// No backend can have processed the request: send it again, for this
+    /// reason (counted toward `retry.max_attempts` and the retry budget).
+    Retry(RouterError, Resend),
     /// Answer the client with this error (nothing was sent to it yet).
     Answer(RouterError),
     /// Response bytes already reached the client and the stream broke: the
@@ -49,6 +50,36 @@ pub enum Failure {
     /// The backend reached `limits.max_in_flight_per_backend` after it was
     /// chosen (another worker took the last slot); nothing was sent.
     Full,
+}
+
+/// Why a request is sent again; the `reason` label of
+/// `prefix_router_resends_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resend {
+    /// A pooled connection failed before the request was written whole: the
+    /// same backend, on a fresh connection.
+    StalePooled,
+    /// Connecting to the backend failed or timed out: the next candidate.
+    ConnectFailed,
+    /// A fresh connection broke before the request was written whole: the
+    /// next candidate.
+    WriteFailed,
+}
+
+impl Resend {
+    pub const ALL: [Resend; 3] = [
+        Resend::StalePooled,
+        Resend::ConnectFailed,
+        Resend::WriteFailed,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Resend::StalePooled => "stale_pooled",
+            Resend::ConnectFailed => "connect_failed",
+            Resend::WriteFailed => "write_failed",
+        }
+    }
 }
 
 /// Completes `c.fwd` (the forwarded head) with the body's length and, when
@@ -93,6 +124,7 @@ pub async fn forward(
     backend: &Arc<Backend>,
     routed: &Routed,
     matched_blocks: u32,
+    fresh_only: bool,
 ) -> Result<bool, Failure> {
     let router = &worker.router;
     let uncached = (c.blocks.hashes.len() as u32).saturating_sub(matched_blocks);
@@ -119,94 +151,140 @@ pub async fn forward(
     }
     router.learn(backend, &mut c.blocks);
 
-    // A pooled connection may have been closed by the backend while idle; if
-    // it fails before any response byte, one fresh connection is tried.
-    let mut conn = None;
-    let mut fresh_only = false;
-    let rhead = loop {
-        let mut bc = match conn.take() {
-            Some(bc) => bc,
-            None => get_conn(worker, cfg, backend, fresh_only)
-                .await
-                .map_err(|e| {
-                    health::request_failed(router, backend, &e.message);
-                    Failure::Retry(e)
-                })?,
-        };
-        match exchange(cfg, c, head, body, &mut bc, &mut inflight).await {
-            Ok(h) => {
-                conn = Some(bc);
-                break h;
-            }
-            Err(Exchange::NoResponse(why)) if bc.reused => {
-                debug!(backend = %backend.url, why, "pooled connection was stale; reconnecting");
-                fresh_only = true;
-            }
-            Err(Exchange::NoResponse(why)) => {
-                health::request_failed(router, backend, why);
-                return Err(Failure::Retry(RouterError::retryable(
+    // The delivery rule: a request goes again (to this backend on a fresh
+    // connection, or to the next candidate) only when no backend can have
+    // processed it: the connection failed, or broke before the request was
+    // written whole. Once it was written whole, a close without a response
+    // byte is a 502: the engine may have run the generation.
+    let mut bc = get_conn(worker, cfg, backend, fresh_only)
+        .await
+        .map_err(|e| {
+            health::request_failed(router, backend, &e.to_string());
+            Failure::Retry(e, Resend::ConnectFailed)
+        })?;
+    let rhead = match exchange(cfg, c, head, body, &mut bc, &mut inflight).await {
+        Ok(h) => h,
+        Err(Exchange::NotSent(why)) if bc.reused => {
+            debug!(backend = %backend.url, why, "pooled connection failed before the request was written; sending it on a fresh one");
+            return Err(Failure::Retry(
+                RouterError::retryable(Kind::BadGateway, "a pooled backend connection failed")
+                    .with_detail(format!("backend {}: {why}", backend.url)),
+                Resend::StalePooled,
+            ));
+        }
+        Err(Exchange::NotSent(why)) => {
+            health::request_failed(router, backend, why);
+            return Err(Failure::Retry(
+                RouterError::retryable(
                     Kind::BadGateway,
-                    format!(
-                        "backend {} closed the connection before responding ({why})",
-                        backend.url
-                    ),
-                )));
-            }
-            Err(Exchange::Failed(e)) => {
-                health::request_failed(router, backend, &e.message);
-                return Err(Failure::Answer(e));
-            }
+                    "sending the request to the backend failed",
+                )
+                .with_detail(format!("backend {}: {why}", backend.url)),
+                Resend::WriteFailed,
+            ));
+        }
+        Err(Exchange::Unanswered(why)) => {
+            health::request_failed(router, backend, why);
+            router.metrics.unanswered();
+            return Err(Failure::Answer(
+                RouterError::new(
+                    Kind::BadGateway,
+                    "the backend closed the connection without answering; the request is not sent again, as the backend may have processed it",
+                )
+                .with_detail(format!("backend {}: {why}", backend.url)),
+            ));
+        }
+        Err(Exchange::Failed(e)) => {
+            health::request_failed(router, backend, &e.message);
+            return Err(Failure::Answer(e));
         }
     };
-    let mut bc = conn.expect("set on break");
 
     // The client's head: the backend's, hop-by-hop headers dropped, ours added.
-    let close_client = rhead.framing == ResponseFraming::Close || !head.keep_alive;
+    // An HTTP/1.0 client has no chunked coding: it gets the body decoded and
+    // delimited by the close of the connection.
+    let dechunk = head.http10 && rhead.framing == ResponseFraming::Chunked;
+    let close_client = rhead.framing == ResponseFraming::Close || !head.keep_alive || dechunk;
     if cfg.debug_headers {
-        c.out.extend_from_slice(
-            format!(
-                "x-prefix-router-backend: {}\r\nx-prefix-router-matched-blocks: {}\r\nx-prefix-router-decision: {:?}\r\n",
-                backend.url, matched_blocks, routed.choice.decision
-            )
-            .as_bytes(),
+        use std::io::Write as _;
+        let _ = write!(
+            c.out,
+            "x-prefix-router-backend: {}\r\nx-prefix-router-matched-blocks: {}\r\nx-prefix-router-decision: {:?}\r\n",
+            backend.url, matched_blocks, routed.choice.decision
         );
     }
     if close_client {
         c.out.extend_from_slice(b"connection: close\r\n");
     }
     c.out.extend_from_slice(b"\r\n");
-    let mut tracker = Tracker::new(rhead.framing);
-    let (take, mut done) = tracker
-        .feed(&c.rbuf[rhead.len..])
-        .map_err(|_| Failure::Abort)?;
     // The closed loop: what the engine says it had cached, and when the
     // first streamed token came (see `feedback`). Read-only on the bytes.
     let streaming = memchr::memmem::find(&c.out, b"text/event-stream").is_some();
     let mut usage = UsageScanner::default();
-    usage.feed(&c.rbuf[rhead.len..rhead.len + take]);
-    let mut first_body_at = (take > 0).then(Instant::now);
-    let mut leftover = rhead.len + take < c.rbuf.len();
-    c.out
-        .extend_from_slice(&c.rbuf[rhead.len..rhead.len + take]);
-    write_all(&mut c.stream, &mut c.out)
-        .await
-        .map_err(|_| Failure::Abort)?;
+    let mut first_body_at = None;
 
+    // The response body, in one loop that every byte passes, in order: the
+    // bytes read with the head first (sent behind the head in one write),
+    // then each read from the backend. The next read waits until the client
+    // took this one, so a slow reader backs up into the backend, not memory.
+    let mut tracker = Tracker::new(rhead.framing);
+    let client_write = ms(cfg.timeouts.client_write_ms);
     let idle = ms(cfg.timeouts.backend_idle_ms);
-    while !done {
+    let mut leftover = false;
+    let (mut start, mut end) = (rhead.len, c.rbuf.len());
+    let mut first = true;
+    loop {
+        if dechunk && !first {
+            c.out.clear();
+        }
+        // `bytes` is what the backend sent; with `dechunk` the decoded body
+        // goes to `c.out`.
+        let bytes = &c.rbuf[start..end];
+        let fed = tracker.feed(bytes, dechunk.then_some(&mut c.out));
+        let (take, done) = match fed {
+            Ok(x) => x,
+            Err(e) => {
+                health::request_failed(router, backend, &e.message);
+                if first {
+                    // Nothing reached the client yet: still a clean 502.
+                    return Err(Failure::Answer(RouterError::new(
+                        Kind::BadGateway,
+                        format!("backend sent an invalid response body ({})", e.message),
+                    )));
+                }
+                debug!(backend = %backend.url, error = %e.message, "invalid response body mid-stream; closing the client connection");
+                return Err(Failure::Abort);
+            }
+        };
+        leftover |= take < bytes.len();
+        usage.feed(&bytes[..take]);
+        if take > 0 {
+            first_body_at.get_or_insert_with(Instant::now);
+        }
+        let sent = if dechunk {
+            write_all(&mut c.stream, &mut c.out, client_write).await
+        } else if first {
+            c.out.extend_from_slice(&c.rbuf[start..start + take]);
+            write_all(&mut c.stream, &mut c.out, client_write).await
+        } else {
+            write_range(
+                &mut c.stream,
+                &mut c.rbuf,
+                start,
+                start + take,
+                client_write,
+            )
+            .await
+        };
+        sent.map_err(|e| client_gone(cfg, c, &e))?;
+        first = false;
+        if done {
+            break;
+        }
         c.rbuf.clear();
         match read_more(&mut bc.stream, &mut c.rbuf, idle).await {
-            Read::Data(n) => {
-                let (take, d) = tracker.feed(&c.rbuf[..n]).map_err(|_| Failure::Abort)?;
-                leftover |= take < n;
-                done = d;
-                usage.feed(&c.rbuf[..take]);
-                first_body_at.get_or_insert_with(Instant::now);
-                write_range(&mut c.stream, &mut c.rbuf, 0, take)
-                    .await
-                    .map_err(|_| Failure::Abort)?;
-            }
-            Read::Eof if rhead.framing == ResponseFraming::Close => done = true,
+            Read::Data(n) => (start, end) = (0, n),
+            Read::Eof if rhead.framing == ResponseFraming::Close => break,
             Read::Eof | Read::Err(_) | Read::TimedOut => {
                 health::request_failed(router, backend, "response stream broke");
                 debug!(backend = %backend.url, "backend stream ended early; closing the client connection");
@@ -235,7 +313,10 @@ pub async fn forward(
     } else {
         health::request_succeeded(backend);
     }
-    router.metrics.observe_response(backend.slot, rhead.status);
+    if !backend.state.removed.load(Relaxed) {
+        // A removed backend's slot may belong to another already.
+        router.metrics.observe_response(backend.slot, rhead.status);
+    }
     if rhead.reusable && !leftover {
         worker.pool.put(bc, cfg.limits.max_idle_per_backend);
     }
@@ -244,8 +325,11 @@ pub async fn forward(
 
 /// How an exchange failed before the response head was complete.
 enum Exchange {
-    /// No response byte arrived: the backend did not process the request.
-    NoResponse(&'static str),
+    /// The request was not written whole: no backend can have processed it.
+    NotSent(&'static str),
+    /// The request was written whole and the backend closed without a
+    /// response byte: it may have processed it.
+    Unanswered(&'static str),
     /// The backend answered garbage or too late.
     Failed(RouterError),
 }
@@ -260,15 +344,17 @@ async fn exchange(
     bc: &mut BackendConn,
     inflight: &mut InFlight,
 ) -> Result<response::ResponseHead, Exchange> {
-    write_all(&mut bc.stream, &mut c.fwd)
-        .await
-        .map_err(|_| Exchange::NoResponse("write failed"))?;
+    let timeout = ms(cfg.timeouts.backend_idle_ms);
+    let res = write_all(&mut bc.stream, &mut c.fwd, timeout).await;
+    backend_written(cfg, c, res)?;
     if body_slice(c, body).len() > COALESCE_BODY {
         let res = match body {
-            Body::InBuf { start, end } => write_range(&mut bc.stream, &mut c.buf, start, end).await,
-            Body::Decoded => write_all(&mut bc.stream, &mut c.body).await,
+            Body::InBuf { start, end } => {
+                write_range(&mut bc.stream, &mut c.buf, start, end, timeout).await
+            }
+            Body::Decoded => write_all(&mut bc.stream, &mut c.body, timeout).await,
         };
-        res.map_err(|_| Exchange::NoResponse("write failed"))?;
+        backend_written(cfg, c, res)?;
     }
     c.rbuf.clear();
     let deadline = Instant::now() + ms(cfg.timeouts.backend_first_byte_ms);
@@ -281,9 +367,8 @@ async fn exchange(
         .await
         {
             Read::Data(_) => inflight.prefilled(),
-            Read::Eof | Read::Err(_) if c.rbuf.is_empty() => {
-                return Err(Exchange::NoResponse("connection closed"));
-            }
+            Read::Eof if c.rbuf.is_empty() => return Err(Exchange::Unanswered("closed")),
+            Read::Err(_) if c.rbuf.is_empty() => return Err(Exchange::Unanswered("reset")),
             Read::Eof | Read::Err(_) => {
                 return Err(Exchange::Failed(RouterError::new(
                     Kind::BadGateway,
@@ -301,7 +386,12 @@ async fn exchange(
             }
         }
         loop {
-            match response::parse(&c.rbuf, head.method_is_head, MAX_RESPONSE_HEAD, &mut c.out) {
+            let client = response::Client {
+                request_was_head: head.method_is_head,
+                http10: head.http10,
+                hide_engine: !cfg.debug_headers,
+            };
+            match response::parse(&c.rbuf, &client, MAX_RESPONSE_HEAD, &mut c.out) {
                 Ok(Some(h)) if (100..200).contains(&h.status) && h.status != 101 => {
                     // An interim response (we never forward Expect): skip it.
                     c.rbuf.drain(..h.len);
@@ -312,6 +402,45 @@ async fn exchange(
             }
         }
     }
+}
+
+/// A failed write to the backend: a timeout lost the buffer with the
+/// cancelled write, so the request cannot be sent again.
+fn backend_written(
+    cfg: &Config,
+    c: &mut ClientConn,
+    res: std::io::Result<()>,
+) -> Result<(), Exchange> {
+    match res {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+            c.lost_buffers = true;
+            Err(Exchange::Failed(RouterError::new(
+                Kind::GatewayTimeout,
+                format!(
+                    "backend accepted no request bytes for {} ms (timeouts.backend_idle_ms)",
+                    cfg.timeouts.backend_idle_ms
+                ),
+            )))
+        }
+        Err(_) => Err(Exchange::NotSent("write failed")),
+    }
+}
+
+/// The client connection failed while the response was streamed to it: a
+/// client that stopped reading is cut after `timeouts.client_write_ms`.
+/// Dropping the backend connection cancels the generation; the in-flight
+/// guard gives the slot back.
+fn client_gone(cfg: &Config, c: &mut ClientConn, e: &std::io::Error) -> Failure {
+    if e.kind() == std::io::ErrorKind::TimedOut {
+        c.lost_buffers = true;
+        info!(
+            peer = %c.peer,
+            ms = cfg.timeouts.client_write_ms,
+            "client accepted no response bytes (timeouts.client_write_ms); cutting it and its backend request"
+        );
+    }
+    Failure::Abort
 }
 
 async fn get_conn(
@@ -331,19 +460,20 @@ async fn get_conn(
     let stream = match monoio::time::timeout(ms(cfg.timeouts.backend_connect_ms), connect).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
-            return Err(RouterError::retryable(
-                Kind::BadGateway,
-                format!("cannot connect to backend {}: {e}", backend.url),
-            ));
+            return Err(
+                RouterError::retryable(Kind::BadGateway, "cannot connect to the backend")
+                    .with_detail(format!("backend {}: {e}", backend.url)),
+            );
         }
         Err(_) => {
             return Err(RouterError::retryable(
                 Kind::BadGateway,
                 format!(
-                    "connecting to backend {} took over {} ms",
-                    backend.url, cfg.timeouts.backend_connect_ms
+                    "connecting to the backend took over {} ms",
+                    cfg.timeouts.backend_connect_ms
                 ),
-            ));
+            )
+            .with_detail(format!("backend {}", backend.url)));
         }
     };
     let _ = stream.set_nodelay(true);
@@ -368,8 +498,13 @@ impl Tracker {
         }
     }
 
-    /// How many of `bytes` belong to the response, and whether it is complete.
-    fn feed(&mut self, bytes: &[u8]) -> Result<(usize, bool), RouterError> {
+    /// How many of `bytes` belong to the response, and whether it is
+    /// complete. A chunked body's data is appended to `decoded` when given.
+    fn feed(
+        &mut self,
+        bytes: &[u8],
+        decoded: Option<&mut Vec<u8>>,
+    ) -> Result<(usize, bool), RouterError> {
         match self {
             Tracker::Done => Ok((0, true)),
             Tracker::Length(left) => {
@@ -378,7 +513,7 @@ impl Tracker {
                 Ok((take as usize, *left == 0))
             }
             Tracker::Chunked(d) => {
-                let take = d.feed(bytes, None)?;
+                let take = d.feed(bytes, decoded)?;
                 Ok((take, d.is_done()))
             }
             Tracker::Close => Ok((bytes.len(), false)),

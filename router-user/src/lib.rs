@@ -4,6 +4,7 @@
 
 pub mod admin;
 pub mod backend;
+pub mod budget;
 pub mod config;
 pub mod ebpf;
 pub mod error;

@@ -23,6 +23,9 @@ const RING_ENTRIES: u32 = 4096;
 const BACKLOG: i32 = 4096;
 /// How often idle pooled backend connections are swept.
 const POOL_SWEEP_SECS: u64 = 5;
+/// How often each worker checks whether a reload swapped the fleet (one
+/// pointer load), to drop removed backends' pooled connections.
+const FLEET_WATCH: std::time::Duration = std::time::Duration::from_millis(100);
 
 type Runtime = monoio::Runtime<monoio::time::TimeDriver<monoio::IoUringDriver>>;
 
@@ -31,6 +34,23 @@ fn runtime() -> std::io::Result<Runtime> {
         .with_entries(RING_ENTRIES)
         .enable_timer()
         .build()
+}
+
+/// glibc's malloc raises its mmap threshold each time a large mapped block
+/// is freed (up to 32 MiB); after that, large body buffers come from the
+/// heap, whose memory is not given back to the system (an upload burst left
+/// 260 MB resident). A fixed threshold keeps every block above it in its own
+/// mapping, unmapped when freed and grown by `mremap` without a copy; below
+/// it (the usual prompts) the heap serves as before.
+pub const MMAP_THRESHOLD: usize = crate::proxy::RETURN_ABOVE;
+
+fn fix_mmap_threshold() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only sets an allocator parameter; it is called once,
+    // before the worker threads start.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD as libc::c_int);
+    }
 }
 
 /// Fails with a clear message when io_uring cannot be used here.
@@ -49,6 +69,7 @@ pub fn check_io_uring() -> anyhow::Result<()> {
 /// the workers. Returns their handles.
 pub fn start(router: Arc<Router>) -> anyhow::Result<Vec<JoinHandle<()>>> {
     check_io_uring()?;
+    fix_mmap_threshold();
     let cfg = router.config.load_full();
     let n = cfg.worker_count();
     // Port 0: take a port once and have every worker bind that one. The
@@ -116,14 +137,22 @@ fn resolve_port(addr: SocketAddr) -> anyhow::Result<(SocketAddr, Option<socket2:
 async fn accept_loop(worker: Rc<Worker>, listener: TcpListener) {
     let sweeper = worker.clone();
     monoio::spawn(async move {
+        // Sweep every POOL_SWEEP_SECS, and at once after a reload swapped the
+        // fleet (so removed backends' connections close promptly).
+        let mut fleet = sweeper.router.fleet.load_full();
+        let mut swept = std::time::Instant::now();
         loop {
-            monoio::time::sleep(std::time::Duration::from_secs(POOL_SWEEP_SECS)).await;
+            monoio::time::sleep(FLEET_WATCH).await;
+            let now = sweeper.router.fleet.load_full();
+            if Arc::ptr_eq(&now, &fleet) && swept.elapsed().as_secs() < POOL_SWEEP_SECS {
+                continue;
+            }
+            fleet = now;
+            swept = std::time::Instant::now();
             let cfg = sweeper.router.config.load();
-            let fleet = sweeper.router.fleet.load();
-            sweeper.pool.sweep(
-                crate::config::ms(cfg.timeouts.backend_pool_idle_ms),
-                |slot, b| fleet.by_slot(slot).is_some_and(|f| Arc::ptr_eq(f, b)),
-            );
+            sweeper
+                .pool
+                .sweep(crate::config::ms(cfg.timeouts.backend_pool_idle_ms));
         }
     });
     loop {
@@ -138,7 +167,13 @@ async fn accept_loop(worker: Rc<Worker>, listener: TcpListener) {
         };
         let router = &worker.router;
         let _ = stream.set_nodelay(true);
-        let max = router.config.load().limits.max_client_connections;
+        let (max, write_timeout) = {
+            let cfg = router.config.load();
+            (
+                cfg.limits.max_client_connections,
+                crate::config::ms(cfg.timeouts.client_write_ms),
+            )
+        };
         if router.shutting_down() || router.client_conns.load(Relaxed) >= max {
             let overloaded = !router.shutting_down();
             monoio::spawn(async move {
@@ -150,7 +185,12 @@ async fn accept_loop(worker: Rc<Worker>, listener: TcpListener) {
                     Kind::Unavailable,
                     "the router is at its connection limit or shutting down; retry shortly",
                 );
-                let _ = write_all(&mut stream, &mut e.to_response(true, Some(1))).await;
+                let _ = write_all(
+                    &mut stream,
+                    &mut e.to_response(true, Some(1), false),
+                    write_timeout,
+                )
+                .await;
             });
             continue;
         }

@@ -12,6 +12,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
 use crate::backend::Fleet;
+use crate::forward::Resend;
 use crate::index::{MAX_BACKENDS, PrefixIndex};
 use crate::router::Routed;
 use crate::select::Decision;
@@ -24,6 +25,10 @@ pub struct Metrics {
     decisions: [AtomicU64; 4],
     matched_blocks: Histogram,
     routing_seconds: Histogram,
+    /// Requests sent again, by `Resend` reason.
+    resends: [AtomicU64; 3],
+    /// Requests a backend closed on after reading them whole (502, not re-sent).
+    unanswered: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -35,6 +40,8 @@ impl Default for Metrics {
                 0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0,
             ]),
             routing_seconds: Histogram::new([5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3]),
+            resends: Default::default(),
+            unanswered: AtomicU64::new(0),
         }
     }
 }
@@ -53,6 +60,21 @@ impl Metrics {
         self.matched_blocks
             .observe(f64::from(routed.choice.matched_blocks));
         self.routing_seconds.observe(took.as_secs_f64());
+    }
+
+    /// A new backend took `slot`: its response counts start at zero.
+    pub fn clear_slot(&self, slot: usize) {
+        for c in &self.responses[slot] {
+            c.store(0, Relaxed);
+        }
+    }
+
+    pub fn resent(&self, reason: Resend) {
+        self.resends[reason as usize].fetch_add(1, Relaxed);
+    }
+
+    pub fn unanswered(&self) {
+        self.unanswered.fetch_add(1, Relaxed);
     }
 
     pub fn observe_response(&self, slot: usize, status: u16) {
@@ -257,6 +279,31 @@ impl Metrics {
             "routing_seconds",
             "Router time from the whole request read to the routing decision (extraction, hashing, index, selection)",
             self.routing_seconds.clone(),
+        );
+        let resends = Family::<Vec<(String, String)>, Counter>::default();
+        for r in Resend::ALL {
+            resends
+                .get_or_create(&vec![("reason".to_owned(), r.name().to_owned())])
+                .inc_by(self.resends[r as usize].load(Relaxed));
+        }
+        reg.register(
+            "resends",
+            "Requests sent again because no backend can have processed them, by reason",
+            resends,
+        );
+        let buffered = Gauge::<i64>::default();
+        buffered.set(crate::budget::in_use() as i64);
+        reg.register(
+            "buffered_body_bytes",
+            "Request body bytes buffered now, against limits.max_buffered_body_bytes",
+            buffered,
+        );
+        let unanswered = Counter::<u64>::default();
+        unanswered.inc_by(self.unanswered.load(Relaxed));
+        reg.register(
+            "unanswered",
+            "Requests a backend read whole and closed on without answering: a 502, never sent again",
+            unanswered,
         );
         let mut out = String::new();
         let _ = encode(&mut out, &reg);

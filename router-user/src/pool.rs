@@ -1,8 +1,10 @@
 //! Keep-alive connections to backends, one pool per worker thread (no
-//! sharing, no locks), a stack per backend slot: the most recently used
-//! connection is the likeliest still open.
+//! sharing, no locks), a stack per backend (keyed by its slot and
+//! generation): the most recently used connection is the likeliest still
+//! open.
 
 use std::cell::RefCell;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
@@ -37,32 +39,66 @@ impl Drop for BackendConn {
     }
 }
 
+/// Whether an idle connection can carry a request: the backend has not
+/// closed or reset it, and sent nothing nobody asked for. One non-blocking
+/// `recv(MSG_PEEK)`: a backend's keep-alive timeout (uvicorn's is 5 s) closes
+/// idle connections, and a request written to one of them could not be told
+/// apart from one the backend read and dropped (see the delivery rule in
+/// `forward`). A close racing this check still gets a 502, never a re-send.
+fn still_open(stream: &TcpStream) -> bool {
+    use nix::sys::socket::{MsgFlags, recv};
+    let mut byte = [0u8; 1];
+    matches!(
+        recv(
+            stream.as_raw_fd(),
+            &mut byte,
+            MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT
+        ),
+        Err(nix::errno::Errno::EAGAIN)
+    )
+}
+
 struct Idle {
     conn: BackendConn,
     since: Instant,
 }
 
+/// The idle connections of one slot, and the backend generation they are to.
+#[derive(Default)]
+struct Stack {
+    generation: u64,
+    idle: Vec<Idle>,
+}
+
+/// Idle connections by backend identity: indexed by slot for speed, each
+/// stack tagged with the generation of the backend that owns the slot, so a
+/// backend that takes a freed slot after a reload never gets the previous
+/// owner's connections.
 pub struct Pool {
-    idle: RefCell<Vec<Vec<Idle>>>,
+    stacks: RefCell<Vec<Stack>>,
 }
 
 impl Default for Pool {
     fn default() -> Self {
         Pool {
-            idle: RefCell::new((0..MAX_BACKENDS).map(|_| Vec::new()).collect()),
+            stacks: RefCell::new((0..MAX_BACKENDS).map(|_| Stack::default()).collect()),
         }
     }
 }
 
 impl Pool {
-    /// An idle connection to `backend` that has not sat longer than `max_idle`.
+    /// An idle connection to `backend`, still open, that has not sat longer
+    /// than `max_idle`.
     pub fn take(&self, backend: &Backend, max_idle: Duration) -> Option<BackendConn> {
-        let mut idle = self.idle.borrow_mut();
-        let stack = &mut idle[backend.slot];
-        while let Some(i) = stack.pop() {
-            // A slot reused by a new backend after a reload has no old conns:
-            // `forget` empties it on removal.
-            if i.since.elapsed() <= max_idle {
+        let mut stacks = self.stacks.borrow_mut();
+        let stack = &mut stacks[backend.slot];
+        if stack.generation != backend.generation {
+            stack.idle.clear();
+            stack.generation = backend.generation;
+            return None;
+        }
+        while let Some(i) = stack.idle.pop() {
+            if i.since.elapsed() <= max_idle && still_open(&i.conn.stream) {
                 let mut conn = i.conn;
                 conn.reused = true;
                 return Some(conn);
@@ -71,27 +107,35 @@ impl Pool {
         None
     }
 
+    /// Keeps `conn` for reuse, unless its backend left the fleet or the
+    /// stack is full. A backend that is not removed owns its slot, so its
+    /// generation replaces an older one's.
     pub fn put(&self, conn: BackendConn, max_per_backend: usize) {
-        let mut idle = self.idle.borrow_mut();
-        let stack = &mut idle[conn.backend.slot];
-        if stack.len() < max_per_backend {
-            stack.push(Idle {
+        let b = &conn.backend;
+        if b.state.removed.load(Relaxed) {
+            return;
+        }
+        let mut stacks = self.stacks.borrow_mut();
+        let stack = &mut stacks[b.slot];
+        if stack.generation != b.generation {
+            stack.idle.clear();
+            stack.generation = b.generation;
+        }
+        if stack.idle.len() < max_per_backend {
+            stack.idle.push(Idle {
                 conn,
                 since: Instant::now(),
             });
         }
     }
 
-    /// Drops every idle connection to `slot`.
-    pub fn forget(&self, slot: usize) {
-        self.idle.borrow_mut()[slot].clear();
-    }
-
-    /// Drops idle connections older than `max_idle`, and those to slots whose
-    /// backend is not `alive` (removed by a reload).
-    pub fn sweep(&self, max_idle: Duration, alive: impl Fn(usize, &Arc<Backend>) -> bool) {
-        for (slot, stack) in self.idle.borrow_mut().iter_mut().enumerate() {
-            stack.retain(|i| i.since.elapsed() <= max_idle && alive(slot, &i.conn.backend));
+    /// Drops idle connections older than `max_idle`, and every one to a
+    /// backend that left the fleet.
+    pub fn sweep(&self, max_idle: Duration) {
+        for stack in self.stacks.borrow_mut().iter_mut() {
+            stack.idle.retain(|i| {
+                i.since.elapsed() <= max_idle && !i.conn.backend.state.removed.load(Relaxed)
+            });
         }
     }
 }

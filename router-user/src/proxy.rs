@@ -13,6 +13,7 @@ use std::time::Instant;
 use monoio::net::TcpStream;
 use tracing::{info, warn};
 
+use crate::budget;
 use crate::config::{Config, ms};
 use crate::error::{Kind, RouterError, Side};
 use crate::extract::Extractor;
@@ -26,6 +27,18 @@ use crate::router::{PromptBlocks, RouteRequest, RouteScratch, Routed, Router};
 /// Buffers that grew past this for one large request are given back after it,
 /// so idle connections stay small.
 const KEEP_BUFFER: usize = 64 * 1024;
+/// Body buffers (and the worker's parse scratch) over this are given back
+/// to the system after their request: rare uploads this large must not keep
+/// their memory, while the usual prompts (up to a few hundred KB) keep
+/// their scratch warm. Matches the allocator's fixed mmap threshold
+/// (`listener::MMAP_THRESHOLD`), so they are their own mappings.
+pub const RETURN_ABOVE: usize = 4 * 1024 * 1024;
+/// A body buffer grows by half its size (at least one read chunk) at a
+/// time, as bytes arrive: never by the declared length up front.
+const GROW_MIN: usize = crate::io::READ_CHUNK;
+/// After a 413 or 503 with a body unread, how long the router keeps reading
+/// (and discarding) it, so the client reads the answer instead of a reset.
+const LINGER: Duration = Duration::from_secs(2);
 /// How often a request queued for room under `limits.max_in_flight_per_backend`
 /// checks the backends' in-flight counters (atomic loads; it routes again only
 /// when one has room). 1 ms is short next to a generation and cheap to poll.
@@ -44,6 +57,16 @@ impl Worker {
             router,
             pool: Pool::default(),
             scratch: RefCell::new(Default::default()),
+        }
+    }
+
+    /// Drops the parse scratch (a copy of the body, the canonical prompt)
+    /// after a body over `RETURN_ABOVE`; smaller ones keep theirs for speed.
+    fn shrink_scratch(&self) {
+        let mut s = self.scratch.borrow_mut();
+        s.0 = Extractor::default();
+        if s.1.canonical.capacity() > RETURN_ABOVE {
+            s.1.canonical = Vec::new();
         }
     }
 }
@@ -65,6 +88,11 @@ pub struct ClientConn {
     /// Response bytes read from the backend.
     pub rbuf: Vec<u8>,
     pub blocks: PromptBlocks,
+    /// A write timed out and took one of the buffers with it: the
+    /// connection must close after this request.
+    pub lost_buffers: bool,
+    /// This connection's share of `limits.max_buffered_body_bytes`.
+    charge: budget::Charge,
 }
 
 /// Serves a client connection until it closes, errs or idles out.
@@ -79,17 +107,35 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: SocketAddr) {
         out: Vec::with_capacity(1024),
         rbuf: Vec::new(),
         blocks: PromptBlocks::default(),
+        lost_buffers: false,
+        charge: budget::Charge::default(),
     };
     loop {
         let cfg = worker.router.config.load_full();
-        match one_request(&worker, &cfg, &mut c).await {
-            Ok(true) if !worker.router.shutting_down() => shrink(&mut c),
+        let result = one_request(&worker, &cfg, &mut c).await;
+        if c.buf.capacity().max(c.body.capacity()) > RETURN_ABOVE {
+            // The worker's parse scratch grew with this body: give it back.
+            worker.shrink_scratch();
+        }
+        match result {
+            Ok(true) if !worker.router.shutting_down() => {
+                shrink(&mut c);
+                let bytes = budget::charge_for([c.buf.capacity(), c.body.capacity()]);
+                c.charge.set(bytes, usize::MAX);
+            }
             Ok(_) => break,
             Err(e) => {
                 if e.kind != Kind::Internal || !e.message.is_empty() {
                     log_error(&e, &c.peer, "-");
                     // After a framing error the rest of the stream cannot be trusted.
-                    let _ = write_all(&mut c.stream, &mut e.to_response(true, None)).await;
+                    let retry_after = (e.kind == Kind::Unavailable).then_some(1);
+                    let mut resp = e.to_response(true, retry_after, cfg.debug_headers);
+                    let write = ms(cfg.timeouts.client_write_ms);
+                    if write_all(&mut c.stream, &mut resp, write).await.is_ok()
+                        && matches!(e.kind, Kind::BodyTooLarge | Kind::Unavailable)
+                    {
+                        linger(&mut c).await;
+                    }
                 }
                 break;
             }
@@ -121,20 +167,27 @@ async fn one_request(
     // The router's own time starts once the whole request is in.
     let started = Instant::now();
     let result = route_and_forward(worker, cfg, c, &head, body, started).await;
-    // Drop this request's bytes; keep any pipelined request behind them.
-    c.buf.drain(..c.consumed);
+    // A write that timed out took a buffer with it: answer, then close.
+    let reusable = head.keep_alive && !c.lost_buffers;
+    if !c.lost_buffers {
+        // Drop this request's bytes; keep any pipelined request behind them.
+        c.buf.drain(..c.consumed);
+    }
     c.consumed = 0;
     match result {
-        Ok(close) => Ok(head.keep_alive && !close),
+        Ok(close) => Ok(reusable && !close),
         Err(e) => {
-            log_error(&e, &c.peer, &head.path);
+            log_error(&e, &c.peer, head.path(&c.fwd));
             // The request was read whole, so the connection stays usable.
             let retry_after = (e.kind == Kind::Unavailable).then_some(1);
-            let mut resp = e.to_response(!head.keep_alive, retry_after);
-            if write_all(&mut c.stream, &mut resp).await.is_err() {
+            let mut resp = e.to_response(!reusable, retry_after, cfg.debug_headers);
+            if write_all(&mut c.stream, &mut resp, ms(cfg.timeouts.client_write_ms))
+                .await
+                .is_err()
+            {
                 return Ok(false);
             }
-            Ok(head.keep_alive)
+            Ok(reusable)
         }
     }
 }
@@ -150,8 +203,14 @@ async fn route_and_forward(
     started: Instant,
 ) -> Result<bool, RouterError> {
     let router = &worker.router;
+    request::check_route(head, &c.fwd, &cfg.routes.extra_allowed)?;
     let deadline = Instant::now() + ms(cfg.timeouts.queue_ms);
     let mut head_finished = false;
+    // Sends so far, the reason for the next one, and whether the first paid
+    // into the retry budget; kept across re-routing after slot races.
+    let mut attempts = 0;
+    let mut resend: Option<forward::Resend> = None;
+    let mut deposited = false;
     loop {
         let mut routed = route_once(worker, c, head, body)?;
         let queued = routed.choice.len == 0 && queueable(cfg, &routed);
@@ -180,31 +239,61 @@ async fn route_and_forward(
             forward::finish_request_head(c, head, body);
             head_finished = true;
         }
-        let attempts = cfg.retry.max_attempts.min(routed.choice.len);
+        // Every send counts toward `retry.max_attempts` and, after the
+        // first, takes a token from the retry budget: a re-send is only ever
+        // of a request no backend can have processed (see `forward`).
         let mut last = None;
         let mut full = false;
-        for (attempt, pos) in routed.choice.iter().take(attempts).enumerate() {
-            if attempt == 0 {
-                worker.router.retry_budget.deposit();
-            } else if !worker.router.retry_budget.withdraw() {
-                warn!("retry budget spent: not retrying (retry.budget_percent)");
-                break;
+        let mut i = 0;
+        let mut fresh_only = false;
+        while i < routed.choice.len && attempts < cfg.retry.max_attempts {
+            if let Some(reason) = resend {
+                if !router.retry_budget.withdraw() {
+                    warn!(
+                        reason = reason.name(),
+                        "retry budget spent: not re-sending (retry.budget_percent)"
+                    );
+                    break;
+                }
+            } else if !deposited {
+                router.retry_budget.deposit();
+                deposited = true;
             }
+            let pos = usize::from(routed.choice.candidates[i]);
             let backend = routed.fleet.backends[pos].clone();
-            let matched = if attempt == 0 {
+            let matched = if i == 0 {
                 routed.choice.matched_blocks
             } else {
                 0
             };
-            match forward::forward(worker, cfg, c, head, body, &backend, &routed, matched).await {
+            let sent = forward::forward(
+                worker, cfg, c, head, body, &backend, &routed, matched, fresh_only,
+            )
+            .await;
+            if !matches!(sent, Err(forward::Failure::Full))
+                && let Some(reason) = resend.take()
+            {
+                router.metrics.resent(reason);
+            }
+            match sent {
                 Ok(close) => return Ok(close),
-                Err(forward::Failure::Retry(e)) => {
-                    warn!(backend = %backend.url, attempt, error = %e.message, "retrying on another backend");
+                Err(forward::Failure::Retry(e, reason)) => {
+                    attempts += 1;
+                    warn!(backend = %backend.url, attempts, reason = reason.name(), error = %e, "attempt failed before the backend could have processed the request; it may be sent again");
+                    resend = Some(reason);
+                    // A stale pooled connection: the same backend, on a fresh one.
+                    fresh_only = reason == forward::Resend::StalePooled;
+                    if !fresh_only {
+                        i += 1;
+                    }
                     last = Some(e);
                 }
                 Err(forward::Failure::Answer(e)) => return Err(e),
                 Err(forward::Failure::Abort) => return Ok(true),
-                Err(forward::Failure::Full) => full = true,
+                Err(forward::Failure::Full) => {
+                    full = true;
+                    i += 1;
+                }
             }
         }
         match last {
@@ -328,12 +417,18 @@ async fn read_length_body(
     }
     let end = head.len + n as usize;
     if c.buf.len() < end {
-        if head.expect_continue {
-            send_continue(c).await?;
+        let budget = cfg.limits.max_buffered_body_bytes;
+        let need = budget::charge_for([end, c.body.capacity()]).saturating_sub(c.charge.held());
+        if !budget::would_fit(need, budget) {
+            return Err(budget_spent(cfg));
         }
-        c.buf.reserve(end - c.buf.len());
+        if head.expect_continue {
+            send_continue(cfg, c).await?;
+        }
         let deadline = Instant::now() + ms(cfg.timeouts.client_body_ms);
         while c.buf.len() < end {
+            let other = c.body.capacity();
+            grow(cfg, &mut c.buf, other, &mut c.charge, Some(end))?;
             read_body_more(cfg, c, deadline).await?;
         }
     }
@@ -356,6 +451,17 @@ async fn read_chunked_body(
     let deadline = Instant::now() + ms(cfg.timeouts.client_body_ms);
     let mut sent_continue = false;
     loop {
+        // Decoded bytes are no more than raw ones: room for them all first.
+        let incoming = c.buf.len() - pos;
+        if c.body.capacity() - c.body.len() < incoming {
+            let cap = c.body.capacity();
+            let target = (cap + cap / 2).max(c.body.len() + incoming);
+            let bytes = budget::charge_for([c.buf.capacity(), target]);
+            if !c.charge.set(bytes, cfg.limits.max_buffered_body_bytes) {
+                return Err(budget_spent(cfg));
+            }
+            c.body.reserve_exact(target - c.body.len());
+        }
         pos += dec.feed(&c.buf[pos..], Some(&mut c.body))?;
         if dec.decoded_len() > max {
             return Err(RouterError::new(
@@ -368,12 +474,74 @@ async fn read_chunked_body(
         }
         if head.expect_continue && !sent_continue {
             sent_continue = true;
-            send_continue(c).await?;
+            send_continue(cfg, c).await?;
         }
+        let other = c.body.capacity();
+        grow(cfg, &mut c.buf, other, &mut c.charge, None)?;
         read_body_more(cfg, c, deadline).await?;
     }
     c.consumed = pos;
     Ok(Body::Decoded)
+}
+
+/// Makes room in `buf` for the next read of a body (ending at `end` in
+/// `buf` when known), charging the growth to the connection's share of the
+/// body budget first: 503 when it is spent.
+fn grow(
+    cfg: &Config,
+    buf: &mut Vec<u8>,
+    other: usize,
+    charge: &mut budget::Charge,
+    end: Option<usize>,
+) -> Result<(), RouterError> {
+    if buf.capacity() - buf.len() >= crate::io::MIN_SPARE {
+        return Ok(());
+    }
+    let cap = buf.capacity();
+    let mut target = (cap + cap / 2).max(buf.len() + GROW_MIN);
+    if let Some(end) = end {
+        target = target.min(end + crate::io::MIN_SPARE);
+    }
+    if !charge.set(
+        budget::charge_for([target, other]),
+        cfg.limits.max_buffered_body_bytes,
+    ) {
+        return Err(budget_spent(cfg));
+    }
+    buf.reserve_exact(target - buf.len());
+    Ok(())
+}
+
+fn budget_spent(cfg: &Config) -> RouterError {
+    RouterError::new(
+        Kind::Unavailable,
+        format!(
+            "the router is buffering {} MiB of request bodies, its limit (limits.max_buffered_body_bytes); retry shortly",
+            cfg.limits.max_buffered_body_bytes >> 20
+        ),
+    )
+}
+
+/// Reads and discards what the client still sends, for up to `LINGER`,
+/// after the write side is shut: a close with unread bytes would reset the
+/// connection and could destroy the answer before the client read it.
+async fn linger(c: &mut ClientConn) {
+    use monoio::io::AsyncWriteRent;
+    let _ = c.stream.shutdown().await;
+    c.buf = Vec::with_capacity(crate::io::READ_CHUNK);
+    let deadline = Instant::now() + LINGER;
+    loop {
+        c.buf.clear();
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero()
+            || !matches!(
+                read_more(&mut c.stream, &mut c.buf, left).await,
+                Read::Data(_)
+            )
+        {
+            return;
+        }
+    }
 }
 
 /// Reads more of the body, within the body deadline.
@@ -396,9 +564,9 @@ async fn read_body_more(
 }
 
 /// Answers `Expect: 100-continue` before the body is read.
-async fn send_continue(c: &mut ClientConn) -> Result<(), RouterError> {
+async fn send_continue(cfg: &Config, c: &mut ClientConn) -> Result<(), RouterError> {
     let mut cont = b"HTTP/1.1 100 Continue\r\n\r\n".to_vec();
-    write_all(&mut c.stream, &mut cont)
+    write_all(&mut c.stream, &mut cont, ms(cfg.timeouts.client_write_ms))
         .await
         .map_err(|_| closed())
 }
@@ -430,12 +598,13 @@ fn shrink(c: &mut ClientConn) {
 }
 
 fn log_error(e: &RouterError, peer: &SocketAddr, path: &str) {
+    let detail = e.detail.as_deref().unwrap_or("");
     match e.kind.side() {
         Side::Client => {
-            info!(%peer, path, status = e.status(), error = %e.message, "refused request")
+            info!(%peer, path, status = e.status(), error = %e.message, detail, "refused request")
         }
         Side::Backend | Side::Internal => {
-            warn!(%peer, path, status = e.status(), error = %e.message, "request failed")
+            warn!(%peer, path, status = e.status(), error = %e.message, detail, "request failed")
         }
     }
 }

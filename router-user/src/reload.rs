@@ -1,9 +1,12 @@
 //! Reloading the configuration without dropping traffic: backends that stay
 //! keep their slot, counters, pooled connections and index share; new ones
-//! take free slots; removed ones finish their in-flight requests (they hold
-//! an `Arc` to the backend) and lose their index entries.
+//! take free slots (with a new generation, so no pooled connection or
+//! counter of a previous owner carries over); removed ones finish their
+//! in-flight requests (they hold an `Arc` to the backend), lose their index
+//! entries and their pooled connections.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 
 use anyhow::bail;
 use tracing::{info, warn};
@@ -46,6 +49,7 @@ pub fn apply(router: &Router, mut new: Config) -> anyhow::Result<()> {
         let kv = bc.kv_blocks().unwrap_or(new.prefix.kv_blocks);
         router.index.clear_backend(slot);
         router.index.set_capacity(slot, kv);
+        router.metrics.clear_slot(slot);
         backends.push(Arc::new(Backend::new(
             slot,
             bc.url(),
@@ -56,6 +60,9 @@ pub fn apply(router: &Router, mut new: Config) -> anyhow::Result<()> {
     }
     for b in &fleet.backends {
         if !used[b.slot] {
+            // Workers drop its pooled connections at their next sweep (they
+            // watch for fleet swaps) and never pool one again.
+            b.state.removed.store(true, Relaxed);
             router.index.clear_backend(b.slot);
             info!(backend = %b.url, "backend removed; its in-flight requests finish");
         }

@@ -11,6 +11,9 @@
 //! - [`http::request`]`(addr, method, path, headers, body) -> Response { status, headers, body }`
 //!   and [`http::request_chunks`] (each chunk with its arrival instant).
 //!
+//! - [`fake_backend::FakeBackend::spawn`]`(handler)`: a misbehaving backend on
+//!   std::net that counts and records every request and answers as the
+//!   handler writes (or closes without a byte).
 //! - [`router_proc::Router::spawn`]`(&backend_urls, &extra_flags, config_toml) -> Router { addr, admin, child }`:
 //!   a running `prefix-router` on free ports, killed on drop; `.backends()`
 //!   and `.metrics()` read its admin listener.
@@ -30,6 +33,7 @@
 mod bin_path;
 pub mod engine;
 pub mod engine_proc;
+pub mod fake_backend;
 pub mod http;
 pub mod proc;
 pub mod router_proc;

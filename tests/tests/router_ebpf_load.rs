@@ -28,7 +28,7 @@ fn connections_held_by_others_shift_cold_requests_away() {
     // `required`: fail loudly rather than pass without the signal.
     let r = Router::spawn(
         &urls,
-        &[],
+        &["--debug-headers"],
         "[ebpf]\nmode = \"required\"\ninterfaces = [\"lo\"]\nrefresh_ms = 50\n",
     );
     let cold = |tag: &str, n: usize| -> Vec<String> {

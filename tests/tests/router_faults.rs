@@ -96,7 +96,13 @@ fn killing_an_engine_mid_stream_ends_its_streams_and_spares_the_others() {
     let b = SimEngine::spawn(&["--id", "b"]);
     let r = Router::spawn(
         &[a.url(), b.url()],
-        &["--policy", "round-robin", "--health-interval-ms", "0"],
+        &[
+            "--policy",
+            "round-robin",
+            "--health-interval-ms",
+            "0",
+            "--debug-headers",
+        ],
         "",
     );
     let (tx, rx) = mpsc::channel();
@@ -204,7 +210,13 @@ fn engine_500s_reach_the_client_and_eject_the_engine() {
     let good = SimEngine::spawn(&["--time-scale", "0", "--id", "good"]);
     let r = Router::spawn(
         &[bad.url(), good.url()],
-        &["--policy", "round-robin", "--health-interval-ms", "0"],
+        &[
+            "--policy",
+            "round-robin",
+            "--health-interval-ms",
+            "0",
+            "--debug-headers",
+        ],
         "[health]\npassive_fall = 3\n",
     );
     let mut fails = 0;
@@ -272,21 +284,22 @@ fn a_stalled_engine_is_a_504_after_the_first_byte_timeout() {
 
 #[test]
 fn refused_connections_are_retried_on_another_backend() {
-    // A port nobody listens on, and an engine that resets every connection.
+    // A port nobody listens on. (An engine that accepts and then resets is
+    // not retried: the request may have been written whole before the reset,
+    // and a request written whole is never sent twice; see router_hardening.)
     let closed = format!("http://127.0.0.1:{}", free_port());
-    let refusing = SimEngine::spawn(&["--time-scale", "0", "--id", "refusing"]);
-    post_json(
-        refusing.addr,
-        "/sim/faults",
-        &json!({"refuse_connections_ms": 60_000}),
-    )
-    .unwrap();
     let good = SimEngine::spawn(&["--time-scale", "0", "--id", "good"]);
     let r = Router::spawn(
-        &[closed.clone(), refusing.url(), good.url()],
-        &["--policy", "round-robin", "--health-interval-ms", "0"],
-        // Keep the broken ones in rotation so every request meets them, and
-        // let every request retry twice (the default budget allows 20%).
+        &[closed.clone(), good.url()],
+        &[
+            "--policy",
+            "round-robin",
+            "--health-interval-ms",
+            "0",
+            "--debug-headers",
+        ],
+        // Keep the broken one in rotation so every request meets it, and
+        // let every request retry (the default budget allows 20%).
         "[health]\npassive_fall = 1000\n[retry]\nbudget_percent = 200\n",
     );
     for i in 0..12 {
@@ -295,7 +308,10 @@ fn refused_connections_are_retried_on_another_backend() {
         assert_eq!(resp.header("x-engine-id"), Some("good"));
     }
     assert!(r.backend(&closed)["errors"].as_u64().unwrap() > 0);
-    assert!(r.backend(&refusing.url())["errors"].as_u64().unwrap() > 0);
+    assert!(
+        r.metrics()
+            .contains("prefix_router_resends_total{reason=\"connect_failed\"} 6")
+    );
 }
 
 #[test]
@@ -334,7 +350,13 @@ fn a_request_is_not_sent_twice_once_the_engine_answered_bytes() {
     let good = SimEngine::spawn(&["--time-scale", "0", "--id", "good"]);
     let r = Router::spawn(
         &[dropping.url(), good.url()],
-        &["--policy", "round-robin", "--health-interval-ms", "0"],
+        &[
+            "--policy",
+            "round-robin",
+            "--health-interval-ms",
+            "0",
+            "--debug-headers",
+        ],
         "[health]\npassive_fall = 1000\n",
     );
     let (mut truncated, mut complete) = (0u64, 0u64);
@@ -372,7 +394,7 @@ fn active_health_flips_only_after_fall_results_and_back_after_rise() {
     let other = SimEngine::spawn(&["--time-scale", "0", "--id", "other"]);
     let r = Router::spawn(
         &[e.url(), other.url()],
-        &[],
+        &["--debug-headers"],
         "[health]\ninterval_ms = 200\ntimeout_ms = 500\nfall = 3\nrise = 2\n",
     );
     let healthy = |r: &Router| r.backend(&e.url())["healthy"] == true;

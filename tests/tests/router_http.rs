@@ -98,7 +98,11 @@ fn requests_on_one_keep_alive_connection_are_routed_one_by_one() {
     let e: Vec<_> = (0..3)
         .map(|i| SimEngine::spawn(&["--time-scale", "0", "--id", &format!("e{i}")]))
         .collect();
-    let r = Router::spawn(&e.iter().map(SimEngine::url).collect::<Vec<_>>(), &[], "");
+    let r = Router::spawn(
+        &e.iter().map(SimEngine::url).collect::<Vec<_>>(),
+        &["--debug-headers"],
+        "",
+    );
     let (mut s, mut rd) = connect(r.addr);
     let mut seen = std::collections::HashMap::new();
     for i in 0..24 {
@@ -288,7 +292,7 @@ fn a_dead_backend_costs_no_request_that_had_not_reached_it() {
     // Health probes off: only retries can save the requests.
     let r = Router::spawn(
         &e.iter().map(SimEngine::url).collect::<Vec<_>>(),
-        &["--health-interval-ms", "0"],
+        &["--health-interval-ms", "0", "--debug-headers"],
         "",
     );
     let mut e = e;

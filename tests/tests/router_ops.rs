@@ -60,7 +60,7 @@ fn signal(pid: u32, sig: i32) {
 #[test]
 fn a_drained_backend_gets_no_new_requests_until_undrained() {
     let e = SimEngine::fleet(2, &["--time-scale", "0"]);
-    let r = Router::spawn(&[e[0].url(), e[1].url()], &[], "");
+    let r = Router::spawn(&[e[0].url(), e[1].url()], &["--debug-headers"], "");
     let drain = admin_post(&r, &format!("/admin/drain?backend={}", e[0].url()), b"");
     assert_eq!(drain.status, 200);
     assert_eq!(r.backend(&e[0].url())["draining"], true);
@@ -87,7 +87,11 @@ fn a_drained_backend_gets_no_new_requests_until_undrained() {
 #[test]
 fn explain_says_where_a_request_would_go_and_why() {
     let e = SimEngine::fleet(3, &["--time-scale", "0"]);
-    let r = Router::spawn(&e.iter().map(SimEngine::url).collect::<Vec<_>>(), &[], "");
+    let r = Router::spawn(
+        &e.iter().map(SimEngine::url).collect::<Vec<_>>(),
+        &["--debug-headers"],
+        "",
+    );
     let body =
         serde_json::to_vec(&chat(&"You are a support bot for ACME. ".repeat(20), 1)).unwrap();
     let before = admin_post(&r, "/admin/explain", &body).json();
@@ -110,7 +114,11 @@ fn sighup_reload_adds_and_removes_backends_without_dropping_a_stream() {
     let e = SimEngine::fleet(3, SLOW_DECODE);
     let path = std::env::temp_dir().join(format!("router-ops-reload-{}.toml", std::process::id()));
     std::fs::write(&path, format!("backends = [\"{}\"]\n", e[1].url())).unwrap();
-    let r = Router::spawn(&[], &["--config", path.to_str().unwrap()], "");
+    let r = Router::spawn(
+        &[],
+        &["--config", path.to_str().unwrap(), "--debug-headers"],
+        "",
+    );
     let stream = slow_stream(r.addr);
     std::thread::sleep(Duration::from_millis(200));
     // Replace e1 by e0 and e2 while the stream is on e1.

@@ -29,7 +29,8 @@ fn run(
 fn conversations_stay_on_their_backend() {
     // Zero-cost engines: load stays low, so nothing should move a conversation.
     let e = SimEngine::fleet(3, &["--time-scale", "0"]);
-    let r = Router::spawn(&urls(&e), &[], "");
+    // Debug headers: the records name the engine that answered.
+    let r = Router::spawn(&urls(&e), &["--debug-headers"], "");
     let (records, s) = run(&r, Scenario::new(ScenarioKind::Chat), 6, 90);
     assert_eq!(s.ok, 90, "{s}");
     let mut by_session: HashMap<u64, Vec<String>> = HashMap::new();
@@ -71,7 +72,7 @@ fn prefix_hit_rate_is_near_the_ceiling_and_far_above_round_robin() {
     let mut results = BTreeMap::new();
     for policy in ["prefix", "round-robin"] {
         let e = SimEngine::fleet(4, &engine_args);
-        let r = Router::spawn(&urls(&e), &["--policy", policy], "");
+        let r = Router::spawn(&urls(&e), &["--policy", policy, "--debug-headers"], "");
         let (_, s) = run(&r, scenario.clone(), 16, 240);
         assert_eq!(s.ok, 240, "{policy}: {s}");
         results.insert(policy, s);
@@ -103,7 +104,7 @@ fn prefix_hit_rate_is_near_the_ceiling_and_far_above_round_robin() {
 fn a_hot_system_prompt_is_spread_within_the_load_bound() {
     // Real-time-ish engines so requests overlap and load is visible.
     let e = SimEngine::fleet(4, &["--time-scale", "0.05"]);
-    let r = Router::spawn(&urls(&e), &[], "");
+    let r = Router::spawn(&urls(&e), &["--debug-headers"], "");
     let mut scenario = Scenario::new(ScenarioKind::HotPrefix);
     scenario.prefixes = 1;
     scenario.hot_fraction = 1.0;

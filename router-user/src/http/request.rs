@@ -1,6 +1,8 @@
 //! Request heads: parse, refuse what could smuggle a second request past a
 //! backend, and write the head to forward (hop-by-hop headers dropped).
 
+use std::ops::Range;
+
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::{MAX_HEADERS, has_token, is_hop_by_hop};
@@ -29,9 +31,54 @@ pub struct RequestHead {
     pub session: Option<u64>,
     /// Set when the path is one whose body carries a prompt.
     pub endpoint: Option<Endpoint>,
-    /// The request line's target, for logs.
-    pub path: String,
+    /// Where the normalised path (no query) sits in the forwarded head.
+    pub path: Range<usize>,
+    /// The client speaks HTTP/1.0 (no chunked responses).
+    pub http10: bool,
 }
+
+impl RequestHead {
+    /// The normalised path, from the forwarded head `fwd` it was written to.
+    pub fn path<'a>(&self, fwd: &'a [u8]) -> &'a str {
+        fwd.get(self.path.clone())
+            .and_then(|p| std::str::from_utf8(p).ok())
+            .unwrap_or("-")
+    }
+}
+
+/// The traffic port's allowlist: the inference API, plus `extra` (paths in
+/// normal form, any method). Anything else is a 404 (405 for a known path
+/// with the wrong method), answered without touching an engine. `fwd` is
+/// the forwarded head `head` was parsed into.
+pub fn check_route(head: &RequestHead, fwd: &[u8], extra: &[String]) -> Result<(), RouterError> {
+    let path = head.path(fwd);
+    let method = fwd.get(..head.path.start.saturating_sub(1)).unwrap_or(b"");
+    let allowed: &[&[u8]] = match path {
+        "/v1/chat/completions" | "/v1/completions" | "/generate" => &[b"POST"],
+        "/v1/models" => &[b"GET", b"HEAD"],
+        p if extra.iter().any(|e| e == p) => return Ok(()),
+        _ => {
+            return Err(RouterError::new(
+                Kind::NotFound,
+                format!("{path} is not served here (routes.extra_allowed adds paths)"),
+            ));
+        }
+    };
+    if allowed.contains(&method) {
+        Ok(())
+    } else {
+        Err(RouterError::new(
+            Kind::MethodNotAllowed,
+            format!(
+                "{path} takes {}",
+                if allowed.len() == 1 { "POST" } else { "GET" }
+            ),
+        ))
+    }
+}
+
+/// Methods forwarded, case-sensitive (RFC 9110 section 9.1); any other is 501.
+const METHODS: [&str; 7] = ["GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"];
 
 /// Parses the head at the start of `buf`. `Ok(None)`: incomplete, read more.
 /// The head to forward is written to `forward` (cleared first) without its
@@ -68,8 +115,14 @@ pub fn parse(
         return Err(too_large(max_header_bytes));
     }
     let method = req.method.unwrap_or("");
-    let path = req.path.unwrap_or("/");
+    let target = req.path.unwrap_or("/");
     let version = req.version.unwrap_or(1);
+    if !METHODS.contains(&method) {
+        return Err(RouterError::new(
+            Kind::NotImplemented,
+            format!("method {method:?} is not supported (methods are case-sensitive)"),
+        ));
+    }
 
     let mut content_length: Option<u64> = None;
     let mut chunked = false;
@@ -82,7 +135,7 @@ pub fn parse(
     forward.clear();
     forward.extend_from_slice(method.as_bytes());
     forward.push(b' ');
-    forward.extend_from_slice(path.as_bytes());
+    let path = write_target(target.as_bytes(), forward)?;
     forward.extend_from_slice(b" HTTP/1.1\r\n");
     for h in req.headers.iter() {
         let name = h.name;
@@ -155,9 +208,112 @@ pub fn parse(
         keep_alive,
         expect_continue,
         session,
-        endpoint: Endpoint::from_path(method, path),
-        path: path.to_owned(),
+        endpoint: std::str::from_utf8(&forward[path.clone()])
+            .ok()
+            .and_then(|p| Endpoint::from_path(method, p)),
+        path,
+        http10: version == 0,
     }))
+}
+
+/// Writes the request target in normal origin form to `out`: an absolute
+/// form's scheme and authority dropped, empty and `.` segments removed
+/// (so `//a/b/` is `/a/b`), `..` resolved, percent-encoded unreserved
+/// characters decoded (RFC 3986 section 6.2.2); the query kept as sent.
+/// Routing and validation see what the backend gets. Returns where the
+/// path (without the query) sits in `out`.
+fn write_target(target: &[u8], out: &mut Vec<u8>) -> Result<Range<usize>, RouterError> {
+    let origin = if target.first() == Some(&b'/') {
+        target
+    } else if let Some(rest) = strip_scheme(target) {
+        let at = rest
+            .iter()
+            .position(|&b| b == b'/' || b == b'?')
+            .unwrap_or(rest.len());
+        if at == 0 {
+            return Err(bad_target());
+        }
+        &rest[at..]
+    } else {
+        return Err(bad_target());
+    };
+    if origin.contains(&b'#') {
+        return Err(bad_target());
+    }
+    let (path, query) = match origin.iter().position(|&b| b == b'?') {
+        Some(q) => (&origin[..q], &origin[q..]),
+        None => (origin, &b""[..]),
+    };
+    let start = out.len();
+    normalise_path(path, out);
+    let end = out.len();
+    out.extend_from_slice(query);
+    Ok(start..end)
+}
+
+/// `http://` or `https://` (case-insensitive) and the rest.
+fn strip_scheme(target: &[u8]) -> Option<&[u8]> {
+    for scheme in [&b"http://"[..], b"https://"] {
+        if target.len() > scheme.len() && target[..scheme.len()].eq_ignore_ascii_case(scheme) {
+            return Some(&target[scheme.len()..]);
+        }
+    }
+    None
+}
+
+/// Appends `path` normalised (see [`write_target`]) to `out`; always
+/// starts with `/`, never ends with one unless it is the root.
+pub fn normalise_path(path: &[u8], out: &mut Vec<u8>) {
+    let root = out.len();
+    for seg in path.split(|&b| b == b'/') {
+        let at = out.len();
+        out.push(b'/');
+        let mut i = 0;
+        while i < seg.len() {
+            match seg[i] {
+                b'%' if i + 2 < seg.len() => match (hex(seg[i + 1]), hex(seg[i + 2])) {
+                    (Some(h), Some(l)) if is_unreserved(h << 4 | l) => {
+                        out.push(h << 4 | l);
+                        i += 3;
+                        continue;
+                    }
+                    _ => out.push(b'%'),
+                },
+                b => out.push(b),
+            }
+            i += 1;
+        }
+        match &out[at + 1..] {
+            b"" | b"." => out.truncate(at),
+            b".." => {
+                out.truncate(at);
+                let parent = out[root..]
+                    .iter()
+                    .rposition(|&b| b == b'/')
+                    .map_or(root, |p| root + p);
+                out.truncate(parent);
+            }
+            _ => {}
+        }
+    }
+    if out.len() == root {
+        out.push(b'/');
+    }
+}
+
+fn hex(b: u8) -> Option<u8> {
+    (b as char).to_digit(16).map(|d| d as u8)
+}
+
+fn is_unreserved(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~')
+}
+
+fn bad_target() -> RouterError {
+    RouterError::new(
+        Kind::BadRequest,
+        "the request target must be a path (origin form) or an http:// URL",
+    )
 }
 
 fn parse_length(v: &[u8]) -> Result<u64, RouterError> {
@@ -257,6 +413,53 @@ mod tests {
                 .unwrap()
                 .keep_alive
         );
+    }
+
+    #[test]
+    fn targets_are_normalised_before_routing() {
+        let norm = |t: &str| {
+            let mut fwd = Vec::new();
+            let raw = format!("POST {t} HTTP/1.1\r\n\r\n");
+            let h = parse(raw.as_bytes(), 8192, &mut fwd).unwrap().unwrap();
+            let line = String::from_utf8(fwd.clone()).unwrap();
+            (h.path(&fwd).to_owned(), h.endpoint, line)
+        };
+        for t in [
+            "/v1/chat/completions",
+            "//v1/chat/completions",
+            "/v1/chat/completions/",
+            "/v1/./chat//completions",
+            "/x/../v1/chat/completions",
+            "/../../v1/chat/completions",
+            "/v1/chat/completion%73",
+            "http://engine:8000/v1/chat/completions",
+            "HTTPS://engine/v1/chat/completions",
+        ] {
+            let (path, ep, _) = norm(t);
+            assert_eq!(path, "/v1/chat/completions", "{t}");
+            assert_eq!(ep, Some(Endpoint::Chat), "{t}");
+        }
+        let (path, ep, line) = norm("http://e/v1/completions?a=1&b=%2F");
+        assert_eq!(
+            (path.as_str(), ep),
+            ("/v1/completions", Some(Endpoint::Completions))
+        );
+        assert!(
+            line.starts_with("POST /v1/completions?a=1&b=%2F HTTP/1.1\r\n"),
+            "{line}"
+        );
+        assert_eq!(norm("/v1/chat%2Fcompletions").0, "/v1/chat%2Fcompletions");
+        assert_eq!(norm("/").0, "/");
+        assert_eq!(norm("http://e").0, "/");
+        assert_eq!(norm("/%2e%2e/generate").0, "/generate");
+        for bad in ["*", "v1/chat", "http:///v1", "/a#b"] {
+            let raw = format!("POST {bad} HTTP/1.1\r\n\r\n");
+            assert_eq!(p(&raw).unwrap_err().status(), 400, "{bad}");
+        }
+        for m in ["post", "Post", "CONNECT", "TRACE", "FOO"] {
+            let raw = format!("{m} /v1/chat/completions HTTP/1.1\r\n\r\n");
+            assert_eq!(p(&raw).unwrap_err().status(), 501, "{m}");
+        }
     }
 
     #[test]

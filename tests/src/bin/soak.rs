@@ -103,9 +103,10 @@ fn main() -> anyhow::Result<()> {
         .iter()
         .map(|p| format!("http://127.0.0.1:{p}"))
         .collect();
+    // Debug headers: outcomes are attributed to the engine that answered.
     let router = Router::spawn(
         &urls,
-        &[],
+        &["--debug-headers"],
         "[health]\ninterval_ms = 200\ntimeout_ms = 500\nrise = 2\nfall = 2\npassive_fall = 3\n",
     );
     let pid = router.child.pid();
@@ -191,6 +192,12 @@ fn main() -> anyhow::Result<()> {
             .iter()
             .any(|k| k.at >= d.start && k.at <= d.end && id.is_none_or(|id| id == k.id))
     };
+    let settle = Duration::from_secs_f64(args.down) + Duration::from_secs(1);
+    let near_a_kill = |d: &Done| {
+        kills
+            .iter()
+            .any(|k| d.end >= k.at && d.start <= k.at + settle)
+    };
     let (mut ok, mut on_killed, mut other) = (0u64, 0u64, 0u64);
     for d in results.iter() {
         match &d.outcome {
@@ -199,6 +206,13 @@ fn main() -> anyhow::Result<()> {
             // The head had not fully arrived when the engine died: a 502
             // from the router, or a cut before the head.
             Outcome::Status(502, _) | Outcome::NoAnswer(_) if at_a_kill(d, None) => on_killed += 1,
+            // A request written whole to an engine that was dying (or still
+            // in its accept queue while it restarted) and closed without an
+            // answer: the router never sends such a request twice, so it is
+            // a 502 even if it started just after the kill.
+            Outcome::Status(502, t) if t.contains("without answering") && near_a_kill(d) => {
+                on_killed += 1
+            }
             o => {
                 other += 1;
                 if other <= 10 {
