@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use testkit::engine_proc::SimEngine;
 use testkit::http::{post_json, request};
-use testkit::router_proc::Router;
+use testkit::router_proc::{Router, rss_kib};
 
 /// Generous bound on anything that should take well under a second.
 const SETTLE: Duration = Duration::from_secs(10);
@@ -257,4 +257,192 @@ fn prompt_framed_probe_answers_on_kept_alive_connections_count_as_answers() {
         "every fake answered probes: {seen:?}"
     );
     assert_eq!(r.backend(&busy.url())["healthy"], false);
+}
+
+#[test]
+fn admin_answers_while_idle_connections_are_open_and_caps_them() {
+    let e = SimEngine::spawn(&["--time-scale", "0"]);
+    let r = Router::spawn(&[e.url()], &["--health-interval-ms", "0"], "");
+    let idle: Vec<TcpStream> = (0..3)
+        .map(|_| TcpStream::connect(r.admin).unwrap())
+        .collect();
+    // One more that sent half a head.
+    let mut half = TcpStream::connect(r.admin).unwrap();
+    half.write_all(b"GET /metr").unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let t = Instant::now();
+    let m = request(r.admin, "GET", "/metrics", &[], b"").unwrap();
+    let took = t.elapsed();
+    assert_eq!(m.status, 200);
+    assert!(
+        took < Duration::from_secs(3),
+        "/metrics answered in {took:?} with idle admin connections open"
+    );
+
+    // Many idle connections: past the cap, new ones are refused at once
+    // (503) instead of queueing; the router's own threads stay bounded.
+    let many: Vec<TcpStream> = (0..60)
+        .map(|_| TcpStream::connect(r.admin).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    let refused = request(r.admin, "GET", "/metrics", &[], b"");
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "no queueing past the cap"
+    );
+    if let Ok(resp) = refused {
+        assert_eq!(resp.status, 503, "{}", resp.text());
+        assert_eq!(resp.header("retry-after"), Some("1"));
+    }
+    drop(many);
+    drop(idle);
+    drop(half);
+    // Room again once they close.
+    let deadline = Instant::now() + SETTLE;
+    loop {
+        match request(r.admin, "GET", "/metrics", &[], b"") {
+            Ok(resp) if resp.status == 200 => break,
+            other => assert!(
+                Instant::now() < deadline,
+                "admin serves again after the idle connections closed: {other:?}"
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn an_endless_admin_header_line_is_refused_with_memory_bounded() {
+    let e = SimEngine::spawn(&["--time-scale", "0"]);
+    let r = Router::spawn(&[e.url()], &["--health-interval-ms", "0"], "");
+    let pid = r.child.pid();
+    let before = rss_kib(pid);
+    let mut s = TcpStream::connect(r.admin).unwrap();
+    s.set_read_timeout(Some(SETTLE)).unwrap();
+    let mut w = s.try_clone().unwrap();
+    // 128 MiB of one header line, no newline; stops when the router closes.
+    const FLOOD: usize = 128 << 20;
+    let writer = std::thread::spawn(move || {
+        let chunk = vec![b'a'; 1 << 20];
+        let mut sent = 0;
+        if w.write_all(b"GET /metrics HTTP/1.1\r\nX-Long: ").is_err() {
+            return sent;
+        }
+        while sent < FLOOD {
+            if w.write_all(&chunk).is_err() {
+                break;
+            }
+            sent += chunk.len();
+        }
+        sent
+    });
+    // Peak RSS while the flood lasts.
+    let peak = Arc::new(AtomicU64::new(before));
+    let done = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (peak, done) = (peak.clone(), done.clone());
+        std::thread::spawn(move || {
+            while !done.load(Relaxed) {
+                peak.fetch_max(rss_kib(pid), Relaxed);
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        })
+    };
+    let mut answer = Vec::new();
+    let mut tmp = [0u8; 4096];
+    loop {
+        match s.read(&mut tmp) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => answer.extend_from_slice(&tmp[..n]),
+        }
+    }
+    let sent = writer.join().unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    done.store(true, Relaxed);
+    sampler.join().unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 431"),
+        "431 or a closed connection: {answer:?}"
+    );
+    let grown = peak.load(Relaxed).saturating_sub(before);
+    eprintln!("sent {sent} bytes; RSS {before} KiB, peak +{grown} KiB");
+    assert!(grown < 32 * 1024, "RSS grew {grown} KiB on one header line");
+    assert!(
+        sent < FLOOD,
+        "the router stopped reading: {sent} bytes went in"
+    );
+    assert_eq!(
+        request(r.admin, "GET", "/metrics", &[], b"")
+            .unwrap()
+            .status,
+        200
+    );
+}
+
+#[test]
+fn a_slowloris_admin_head_is_cut_at_the_header_timeout() {
+    let e = SimEngine::spawn(&["--time-scale", "0"]);
+    let r = Router::spawn(
+        &[e.url()],
+        &["--health-interval-ms", "0"],
+        "[timeouts]\nclient_header_ms = 1000\n",
+    );
+    let mut s = TcpStream::connect(r.admin).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\n").unwrap();
+    let t = Instant::now();
+    let mut answer = Vec::new();
+    let mut tmp = [0u8; 4096];
+    // A header line every 300 ms, never the blank line, for at most 8 s.
+    'trickle: while t.elapsed() < Duration::from_secs(8) {
+        if s.write_all(b"X-Slow: 1\r\n").is_err() {
+            break;
+        }
+        let until = Instant::now() + Duration::from_millis(300);
+        while Instant::now() < until {
+            match s.read(&mut tmp) {
+                Ok(0) => break 'trickle,
+                Ok(n) => answer.extend_from_slice(&tmp[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {}
+                Err(_) => break 'trickle,
+            }
+        }
+    }
+    let took = t.elapsed();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    assert!(took < Duration::from_secs(5), "cut after {took:?}");
+}
+
+#[test]
+fn admin_query_strings_are_percent_decoded_in_either_case() {
+    let e = SimEngine::spawn(&["--time-scale", "0"]);
+    let r = Router::spawn(&[e.url()], &["--health-interval-ms", "0"], "");
+    let lower = e.url().replace(':', "%3a").replace('/', "%2f");
+    let resp = request(
+        r.admin,
+        "POST",
+        &format!("/admin/drain?backend={lower}"),
+        &[],
+        b"",
+    )
+    .unwrap();
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert_eq!(r.backend(&e.url())["draining"], true);
+    let resp = request(
+        r.admin,
+        "POST",
+        &format!("/admin/undrain?backend={}", encoded(&e.url())),
+        &[],
+        b"",
+    )
+    .unwrap();
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert_eq!(r.backend(&e.url())["draining"], false);
+    let bad = request(r.admin, "POST", "/admin/drain?backend=http%3", &[], b"").unwrap();
+    assert_eq!(bad.status, 400, "{}", bad.text());
 }
