@@ -446,3 +446,60 @@ fn admin_query_strings_are_percent_decoded_in_either_case() {
     let bad = request(r.admin, "POST", "/admin/drain?backend=http%3", &[], b"").unwrap();
     assert_eq!(bad.status, 400, "{}", bad.text());
 }
+
+#[test]
+fn a_short_hostile_soak_keeps_normal_traffic_whole_and_health_checks_live() {
+    let out = std::process::Command::new(testkit::bin_path("soak"))
+        .args([
+            "--hostile",
+            "--seconds",
+            "7",
+            "--report-every",
+            "7",
+            "--clients",
+            "4",
+            "--slow-readers",
+            "2",
+            "--slowloris",
+            "8",
+            "--uploaders",
+            "1",
+            "--upload-mib",
+            "2",
+        ])
+        .output()
+        .expect("run soak --hostile");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "soak failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = |prefix: &str| {
+        stdout
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("a line starting {prefix:?}"))
+            .to_owned()
+    };
+    let field = |line: &str, name: &str| -> String {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+            .unwrap_or_else(|| panic!("{name} in {line}"))
+            .to_owned()
+    };
+    let clean = line("hostile: phase=clean ");
+    let hostile = line("hostile: phase=hostile ");
+    assert_eq!(field(&clean, "success"), "100.000%", "{clean}");
+    assert!(
+        field(&hostile, "ok").parse::<u64>().unwrap() > 10,
+        "{hostile}"
+    );
+    // The health checker kept following the canary beside the trickler.
+    assert_eq!(field(&hostile, "canary_flips_missed"), "0", "{hostile}");
+    assert!(
+        !line("hostile: peers:").ends_with("never"),
+        "trickler taken out"
+    );
+}
