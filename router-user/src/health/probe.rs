@@ -72,12 +72,13 @@ pub fn get(addr: SocketAddr, path: &str, timeout: Duration) -> Result<Answer, Pr
     let mut s = TcpStream::connect_timeout(&addr, left()?).map_err(|e| io_error(e, timeout))?;
     let _ = s.set_nodelay(true);
     s.set_write_timeout(Some(left()?)).map_err(ProbeError::Io)?;
-    // A few dozen bytes: one write into an empty socket buffer.
-    write!(
-        s,
+    // A few dozen bytes, formatted first so they leave in one segment, into
+    // an empty socket buffer.
+    let request = format!(
         "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: prefix-router-health\r\nConnection: close\r\n\r\n"
-    )
-    .map_err(|e| io_error(e, timeout))?;
+    );
+    s.write_all(request.as_bytes())
+        .map_err(|e| io_error(e, timeout))?;
 
     let mut buf = Vec::with_capacity(4096);
     let mut read_more = |buf: &mut Vec<u8>| -> Result<usize, ProbeError> {
@@ -234,15 +235,21 @@ mod tests {
     use super::*;
     use std::net::TcpListener;
 
-    /// A server that writes `answer` to the first connection, waits for the
-    /// test's end (keeps the connection open), and returns what it read.
+    /// A server that reads a request head on the first connection, writes
+    /// `answer`, and keeps the connection open for `hold`.
     fn serve_once(answer: &'static [u8], hold: Duration) -> SocketAddr {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         std::thread::spawn(move || {
             let (mut s, _) = l.accept().unwrap();
+            let mut head = Vec::new();
             let mut tmp = [0u8; 1024];
-            let _ = s.read(&mut tmp);
+            while !head.ends_with(b"\r\n\r\n") {
+                match s.read(&mut tmp) {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => head.extend_from_slice(&tmp[..n]),
+                }
+            }
             let _ = s.write_all(answer);
             std::thread::sleep(hold);
         });
