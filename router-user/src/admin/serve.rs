@@ -46,7 +46,13 @@ pub fn start(router: Arc<Router>, addr: SocketAddr, reload: Reloader) -> anyhow:
     let addr = listener.local_addr()?;
     info!(%addr, "admin listener (metrics, /admin/*)");
     println!("admin listening on {addr}");
-    let reload = Arc::new(reload);
+    // Connections run concurrently, reloads one at a time (as on one thread
+    // before): two at once could both hand out the same free slot.
+    let serial = std::sync::Mutex::new(());
+    let reload: Arc<Reloader> = Arc::new(Box::new(move || {
+        let _one = serial.lock().unwrap_or_else(|e| e.into_inner());
+        reload()
+    }));
     let active = Arc::new(AtomicUsize::new(0));
     std::thread::Builder::new()
         .name("admin".into())
