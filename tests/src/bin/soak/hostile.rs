@@ -36,15 +36,14 @@ const WATCH_EVERY: Duration = Duration::from_millis(50);
 const RSS_EVERY: Duration = Duration::from_secs(1);
 /// Receive buffer asked for a slow reader's socket (the kernel doubles it).
 const SLOW_READER_RCVBUF: usize = 4096;
-/// Output tokens a slow reader asks for: over a megabyte of SSE, more than
-/// the socket buffers between the router and the reader hold, and few enough
-/// that the slow readers' sequences fit in one engine's KV cache (8 x 8,000
-/// of 102,400 tokens), so what they cost is what a router lets them hold,
-/// not the engines' capacity.
-const SLOW_READER_TOKENS: u32 = 8_000;
-/// At the end of the phase a slow reader drains at most this much looking
-/// for the end of its stream.
-const SLOW_READER_DRAIN: usize = 4 << 20;
+/// Output tokens a slow reader asks for: about 6 MB of SSE (about 207 bytes
+/// a token), more than the socket buffers between the router and the reader
+/// hold (4 MB at most here), so the router's writes stall.
+const SLOW_READER_TOKENS: u32 = 30_000;
+/// KV capacity of the soak's engines in 16-token blocks (409,600 tokens):
+/// the slow readers' sequences fit in one engine's cache (8 x 30,000), so
+/// what they cost is what the router lets them hold, not engine capacity.
+const ENGINE_KV_BLOCKS: &str = "25600";
 /// Gap between a slowloris connection's header lines.
 const SLOWLORIS_EVERY: Duration = Duration::from_secs(1);
 /// The trickling backend's gap between bytes.
@@ -59,14 +58,14 @@ struct Sample {
     at: Instant,
     canary_healthy: bool,
     trickler_healthy: bool,
+    /// Requests in flight on the engines, as the router counts them.
+    in_flight: u64,
 }
 
 /// What the hostile peers got.
 #[derive(Default)]
 struct HostileStats {
     slow_readers_opened: AtomicU64,
-    /// Slow readers the router had closed by the end of the phase.
-    slow_readers_cut: AtomicU64,
     slowloris_opened: AtomicU64,
     slowloris_cut: AtomicU64,
     /// Seconds each cut slowloris connection lived.
@@ -86,6 +85,8 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
                 &ts,
                 "--seed",
                 &i.to_string(),
+                "--kv-blocks",
+                ENGINE_KV_BLOCKS,
             ])
         })
         .collect();
@@ -211,12 +212,23 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
         let rss_max = rss_in.iter().copied().max().unwrap_or(0);
         let rss_last = rss_in.last().copied().unwrap_or(0);
         let (lag_max, lag_median, missed) = canary_lags(&samples, t0, *from, *to);
+        // In flight over the phase's second half (slow readers that were cut
+        // are gone by then).
+        let half = *from + (*to - *from) / 2;
+        let in_flight: Vec<f64> = samples
+            .iter()
+            .filter(|s| s.at >= half && s.at <= *to)
+            .map(|s| s.in_flight as f64)
+            .collect();
         println!(
             "hostile: phase={name} requests={} ok={} success={success:.3}% p50_ms={p50:.1} p99_ms={p99:.1} \
-             rss_max_kib={rss_max} rss_last_kib={rss_last} canary_lag_ms_median={lag_median:.0} \
+             rss_max_kib={rss_max} rss_last_kib={rss_last} in_flight_2nd_half_median={:.0} \
+             in_flight_2nd_half_max={:.0} canary_lag_ms_median={lag_median:.0} \
              canary_lag_ms_max={lag_max:.0} canary_flips_missed={missed}",
             results.len(),
-            ok.len()
+            ok.len(),
+            percentile(&in_flight, 0.5),
+            percentile(&in_flight, 1.0),
         );
         let mut failures: BTreeMap<String, u64> = BTreeMap::new();
         for d in results {
@@ -243,10 +255,9 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
         .unwrap_or_else(|| "never".into());
     let lives = stats.slowloris_lives.lock().expect("lives").clone();
     println!(
-        "hostile: peers: slow_readers opened={} cut_by_router={}; slowloris opened={} cut={} \
+        "hostile: peers: slow_readers opened={}; slowloris opened={} cut={} \
          life_s_median={:.1} life_s_max={:.1}; trickling backend taken out after {trickler_out}",
         stats.slow_readers_opened.load(Relaxed),
-        stats.slow_readers_cut.load(Relaxed),
         stats.slowloris_opened.load(Relaxed),
         stats.slowloris_cut.load(Relaxed),
         percentile(&lives, 0.5),
@@ -305,10 +316,15 @@ fn watch(
                 .and_then(|bs| bs.iter().find(|b| b["url"] == url))
                 .is_some_and(|b| b["healthy"] == true)
         };
+        let in_flight = v["backends"]
+            .as_array()
+            .map(|bs| bs.iter().filter_map(|b| b["in_flight"].as_u64()).sum())
+            .unwrap_or(0);
         out.lock().expect("samples").push(Sample {
             at: Instant::now(),
             canary_healthy: healthy(canary),
             trickler_healthy: healthy(trickler),
+            in_flight,
         });
     }
 }
@@ -426,15 +442,22 @@ fn trickle(mut s: TcpStream, trickling: &AtomicBool) {
 }
 
 /// One slow reader for the whole phase: a long streaming request, never
-/// read; at the end, whether the router had closed the connection.
+/// read. (Whether the router cut it cannot be seen without reading: the
+/// router's close waits behind the zero window; the engines' in-flight
+/// counts show it instead.)
 fn slow_reader(addr: SocketAddr, i: usize, stop: &AtomicBool, stats: &HostileStats) {
-    let Ok(sock) = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None) else {
+    let Some(_held) = open_slow_reader(addr, i) else {
         return;
     };
+    stats.slow_readers_opened.fetch_add(1, Relaxed);
+    while !sleep_unless(stop, Duration::from_secs(1)) {}
+}
+
+/// Connects with a tiny receive buffer and sends the long streaming request.
+fn open_slow_reader(addr: SocketAddr, i: usize) -> Option<TcpStream> {
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).ok()?;
     let _ = sock.set_recv_buffer_size(SLOW_READER_RCVBUF);
-    if sock.connect(&addr.into()).is_err() {
-        return;
-    }
+    sock.connect(&addr.into()).ok()?;
     let mut s: TcpStream = sock.into();
     let body = json!({"model": "sim-llama-8b", "stream": true, "max_tokens": SLOW_READER_TOKENS,
                       "messages": [{"role": "user", "content": format!("slow reader {i}: tell me a very long story")}]})
@@ -443,40 +466,9 @@ fn slow_reader(addr: SocketAddr, i: usize, stop: &AtomicBool, stats: &HostileSta
         "POST /v1/chat/completions HTTP/1.1\r\nhost: soak\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
         body.len()
     );
-    if s.write_all(head.as_bytes())
-        .and_then(|_| s.write_all(body.as_bytes()))
-        .is_err()
-    {
-        return;
-    }
-    stats.slow_readers_opened.fetch_add(1, Relaxed);
-    while !sleep_unless(stop, Duration::from_secs(1)) {}
-    // Drain what is buffered: an end of stream behind it means the router cut us.
-    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
-    let mut tmp = [0u8; 64 * 1024];
-    let mut drained = 0usize;
-    let cut = loop {
-        match s.read(&mut tmp) {
-            Ok(0) => break true,
-            Ok(n) => drained += n,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                break false;
-            }
-            Err(_) => break true,
-        }
-        // Still streaming: not cut.
-        if drained > SLOW_READER_DRAIN {
-            break false;
-        }
-    };
-    if cut {
-        stats.slow_readers_cut.fetch_add(1, Relaxed);
-    }
+    s.write_all(head.as_bytes()).ok()?;
+    s.write_all(body.as_bytes()).ok()?;
+    Some(s)
 }
 
 /// `n` slowloris connections, one header line a second each; a connection
