@@ -50,6 +50,8 @@ const SLOWLORIS_EVERY: Duration = Duration::from_secs(1);
 const TRICKLE_EVERY: Duration = Duration::from_millis(500);
 /// Declared length of the uploads over the limit (the default limit is 32 MiB).
 const OVER_LIMIT: usize = 64 << 20;
+/// How long after the hostile phase the router's RSS is read again.
+const SETTLE_AFTER: Duration = Duration::from_secs(5);
 /// Bound on an uploader's wait for an answer.
 const UPLOAD_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -272,11 +274,19 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
         .map(|(at, k)| format!("{:.0}s:{}", (*at - t0).as_secs_f64(), k / 1024))
         .collect();
     println!("hostile: rss_mib_over_time {}", line.join(" "));
+    // What stays once the hostile peers are gone.
+    std::thread::sleep(SETTLE_AFTER);
     let rss_end = rss_kib(pid);
     println!(
         "hostile: done: clean_success={:.3}% hostile_success={:.3}% clean_p99_ms={:.1} hostile_p99_ms={:.1} \
-         clean_rss_max_kib={} hostile_rss_max_kib={} rss_end_kib={rss_end}",
-        summary[0].0, summary[1].0, summary[0].1, summary[1].1, summary[0].2, summary[1].2
+         clean_rss_max_kib={} hostile_rss_max_kib={} rss_{}s_after_kib={rss_end}",
+        summary[0].0,
+        summary[1].0,
+        summary[0].1,
+        summary[1].1,
+        summary[0].2,
+        summary[1].2,
+        SETTLE_AFTER.as_secs()
     );
     drop(router);
     drop(engines);
