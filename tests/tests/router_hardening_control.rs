@@ -260,6 +260,54 @@ fn prompt_framed_probe_answers_on_kept_alive_connections_count_as_answers() {
 }
 
 #[test]
+fn backends_added_by_a_reload_are_probed_and_removed_ones_no_longer() {
+    let e = SimEngine::spawn(&["--time-scale", "0"]);
+    let fake = FakeBackend::start(empty_200, Arc::new(AtomicU64::new(0)));
+    let dead = format!("http://127.0.0.1:{}", testkit::proc::free_port());
+    let path = std::env::temp_dir().join(format!(
+        "router-hardening-reload-{}.toml",
+        std::process::id()
+    ));
+    let config = |backends: &[&str]| {
+        let list: Vec<String> = backends.iter().map(|b| format!("\"{b}\"")).collect();
+        format!(
+            "backends = [{}]\n[health]\ninterval_ms = 100\ntimeout_ms = 500\nfall = 1\nrise = 1\n",
+            list.join(", ")
+        )
+    };
+    std::fs::write(&path, config(&[&e.url()])).unwrap();
+    let r = Router::spawn(&[], &["--config", path.to_str().unwrap()], "");
+    let reload = |backends: &[&str]| {
+        std::fs::write(&path, config(backends)).unwrap();
+        let resp = request(r.admin, "POST", "/admin/reload", &[], b"").unwrap();
+        assert_eq!(resp.status, 200, "{}", resp.text());
+    };
+    reload(&[&e.url(), &fake.url(), &dead]);
+    assert!(
+        r.wait_backend(&dead, SETTLE, |b| b["healthy"] == false),
+        "an added dead backend is probed and taken out"
+    );
+    let deadline = Instant::now() + SETTLE;
+    while fake.accepted.load(Relaxed) < 3 {
+        assert!(Instant::now() < deadline, "an added backend is probed");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(r.backend(&fake.url())["healthy"], true);
+    reload(&[&e.url()]);
+    // A probe under way may still finish; then no more.
+    std::thread::sleep(Duration::from_millis(700));
+    let probes = fake.accepted.load(Relaxed);
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(
+        fake.accepted.load(Relaxed),
+        probes,
+        "a removed backend is probed no more"
+    );
+    assert_eq!(r.backends().len(), 1);
+    std::fs::remove_file(&path).ok();
+}
+
+#[test]
 fn admin_answers_while_idle_connections_are_open_and_caps_them() {
     let e = SimEngine::spawn(&["--time-scale", "0"]);
     let r = Router::spawn(&[e.url()], &["--health-interval-ms", "0"], "");
