@@ -1,144 +1,116 @@
 //! The operators' listener, apart from traffic: `/metrics`, `/admin/backends`,
-//! drain and undrain, `/admin/explain`, `/admin/reload`, `/health`. Small
-//! blocking HTTP/1.1 on one thread: operators' calls are rare and tiny.
+//! drain and undrain, `/admin/explain`, `/admin/reload`, `/health`. This
+//! file says what each path answers; `admin/serve.rs` serves the connections
+//! (concurrently, with the traffic side's head limits and timeouts) and
+//! `admin/query.rs` decodes query strings.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+mod query;
+mod serve;
+
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::Duration;
 
-use anyhow::Context;
 use serde_json::json;
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::extract::{Endpoint, Extractor};
 use crate::router::{PromptBlocks, RouteRequest, RouteScratch, Router};
 
-/// Largest admin request body (`/admin/explain` takes a whole request body).
-const MAX_ADMIN_BODY: usize = 64 * 1024 * 1024;
-/// A stalled operator's connection is dropped after this.
-const ADMIN_IO_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// Re-reads the configuration source and applies it.
 pub type Reloader = Box<dyn Fn() -> anyhow::Result<()> + Send + Sync>;
 
+/// Binds `addr` and serves the admin API on threads of its own.
 pub fn start(router: Arc<Router>, addr: SocketAddr, reload: Reloader) -> anyhow::Result<()> {
-    let listener =
-        TcpListener::bind(addr).with_context(|| format!("binding the admin listener {addr}"))?;
-    let addr = listener.local_addr()?;
-    info!(%addr, "admin listener (metrics, /admin/*)");
-    println!("admin listening on {addr}");
-    std::thread::Builder::new()
-        .name("admin".into())
-        .spawn(move || {
-            for stream in listener.incoming().flatten() {
-                if let Err(e) = serve(&router, stream, &reload) {
-                    warn!(error = %e, "admin request failed");
-                }
-            }
-        })?;
-    Ok(())
+    serve::start(router, addr, reload)
 }
 
-fn serve(router: &Router, mut stream: TcpStream, reload: &Reloader) -> anyhow::Result<()> {
-    stream.set_read_timeout(Some(ADMIN_IO_TIMEOUT))?;
-    stream.set_write_timeout(Some(ADMIN_IO_TIMEOUT))?;
-    let mut reader = BufReader::new(stream.try_clone()?);
-    let mut line = String::new();
-    reader.read_line(&mut line)?;
-    let mut parts = line.split_whitespace();
-    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or("/"));
-    let mut length = 0usize;
-    loop {
-        let mut h = String::new();
-        if reader.read_line(&mut h)? == 0 || h == "\r\n" || h == "\n" {
-            break;
-        }
-        if let Some((k, v)) = h.split_once(':')
-            && k.trim().eq_ignore_ascii_case("content-length")
-        {
-            length = v.trim().parse().unwrap_or(0);
+/// One admin request, read whole.
+pub struct Request<'a> {
+    pub method: &'a str,
+    /// The target's path, before any `?`.
+    pub path: &'a str,
+    /// The target's query, after the `?` (still percent-encoded).
+    pub query: &'a str,
+    pub body: &'a [u8],
+}
+
+/// What an admin request is answered.
+pub struct Reply {
+    pub status: u16,
+    pub content_type: &'static str,
+    pub body: String,
+}
+
+impl Reply {
+    fn text(status: u16, body: impl Into<String>) -> Reply {
+        Reply {
+            status,
+            content_type: "text/plain",
+            body: body.into(),
         }
     }
-    if length > MAX_ADMIN_BODY {
-        return respond(&mut stream, 413, "text/plain", "body too large\n");
+
+    fn json(status: u16, v: &serde_json::Value) -> Reply {
+        Reply {
+            status,
+            content_type: "application/json",
+            body: v.to_string(),
+        }
     }
-    let mut body = vec![0; length];
-    reader.read_exact(&mut body)?;
-    let (path, query) = target.split_once('?').unwrap_or((target, ""));
-    let param = |name: &str| {
-        query.split('&').find_map(|kv| {
-            kv.split_once('=')
-                .filter(|(k, _)| *k == name)
-                .map(|(_, v)| v.to_owned())
-        })
-    };
-    match (method, path) {
-        ("GET", "/health") => respond(&mut stream, 200, "text/plain", "ok\n"),
+}
+
+/// Answers one request.
+fn handle(router: &Router, req: &Request, reload: &Reloader) -> Reply {
+    let param = |name: &str| query::param(req.query, name);
+    match (req.method, req.path) {
+        ("GET", "/health") => Reply::text(200, "ok\n"),
         ("GET", "/metrics") => {
             let cfg = router.config.load();
             let text =
                 router
                     .metrics
                     .render(&router.fleet.load(), &router.index, cfg.policy.name());
-            respond(&mut stream, 200, "text/plain; version=0.0.4", &text)
+            Reply {
+                status: 200,
+                content_type: "text/plain; version=0.0.4",
+                body: text,
+            }
         }
-        ("GET", "/admin/backends") => respond(
-            &mut stream,
-            200,
-            "application/json",
-            &backends_json(router).to_string(),
-        ),
+        ("GET", "/admin/backends") => Reply::json(200, &backends_json(router)),
         ("POST", "/admin/drain") | ("POST", "/admin/undrain") => {
-            let drain = path.ends_with("/drain");
-            let Some(url) = param("backend") else {
-                return respond(&mut stream, 400, "text/plain", "give ?backend=URL\n");
+            let drain = req.path.ends_with("/drain");
+            let url = match param("backend") {
+                Ok(Some(url)) => url,
+                Ok(None) => return Reply::text(400, "give ?backend=URL\n"),
+                Err(e) => return Reply::text(400, format!("{e}\n")),
             };
-            let url = url.replace("%3A", ":").replace("%2F", "/");
             let fleet = router.fleet.load();
             let Some(b) = fleet.backends.iter().find(|b| b.url == url) else {
-                return respond(
-                    &mut stream,
-                    404,
-                    "text/plain",
-                    &format!("no backend {url}\n"),
-                );
+                return Reply::text(404, format!("no backend {url}\n"));
             };
             b.state.draining.store(drain, Relaxed);
             info!(backend = %b.url, drain, "backend drain changed by operator");
-            respond(
-                &mut stream,
-                200,
-                "application/json",
-                &backends_json(router).to_string(),
-            )
+            Reply::json(200, &backends_json(router))
         }
         ("POST", "/admin/explain") => {
-            let ep = param("endpoint").unwrap_or_else(|| "chat".into());
+            let ep = match param("endpoint") {
+                Ok(ep) => ep.unwrap_or_else(|| "chat".into()),
+                Err(e) => return Reply::text(400, format!("{e}\n")),
+            };
             let ep = match ep.as_str() {
                 "completions" => Endpoint::Completions,
                 "generate" => Endpoint::Generate,
                 _ => Endpoint::Chat,
             };
-            let (status, v) = explain(router, ep, &body);
-            respond(&mut stream, status, "application/json", &v.to_string())
+            let (status, v) = explain(router, ep, req.body);
+            Reply::json(status, &v)
         }
         ("POST", "/admin/reload") => match reload() {
-            Ok(()) => respond(
-                &mut stream,
-                200,
-                "application/json",
-                &backends_json(router).to_string(),
-            ),
-            Err(e) => respond(
-                &mut stream,
-                400,
-                "text/plain",
-                &format!("reload failed: {e:#}\n"),
-            ),
+            Ok(()) => Reply::json(200, &backends_json(router)),
+            Err(e) => Reply::text(400, format!("reload failed: {e:#}\n")),
         },
-        _ => respond(&mut stream, 404, "text/plain", "not found\n"),
+        _ => Reply::text(404, "not found\n"),
     }
 }
 
@@ -296,12 +268,3 @@ fn why(
     }
 }
 
-fn respond(stream: &mut TcpStream, status: u16, ctype: &str, body: &str) -> anyhow::Result<()> {
-    write!(
-        stream,
-        "HTTP/1.1 {status} {}\r\ncontent-type: {ctype}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        crate::error::reason(status),
-        body.len()
-    )?;
-    Ok(())
-}

@@ -306,7 +306,9 @@ pub struct Routes {
 pub struct Health {
     /// Path probed with GET; any 2xx is healthy.
     pub path: String,
+    /// From the start of one probe of a backend to the start of the next.
     pub interval_ms: u64,
+    /// Deadline of one whole probe: connect, request and the whole answer.
     pub timeout_ms: u64,
     /// Successes in a row before an unhealthy backend gets traffic again.
     pub rise: u32,

@@ -1,22 +1,21 @@
 //! Backend health: active probes with hysteresis (a backend flips only after
 //! `rise` or `fall` results in a row, and the flip is logged once), passive
 //! ejection on failed requests, and the engine's KV capacity read from its
-//! `/metrics`.
+//! `/metrics`. Every backend is probed by a thread of its own, each probe
+//! bounded as a whole by `health.timeout_ms` (see `probe`), so no backend can
+//! delay another's checks.
 
-use std::io::{Read as _, Write as _};
-use std::net::TcpStream;
+mod probe;
+
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::backend::Backend;
 use crate::config::ms;
 use crate::router::Router;
-
-/// Largest probe answer read (the `/metrics` page of an engine is a few KB).
-const MAX_PROBE_BYTES: usize = 1 << 20;
 
 /// A request to `backend` failed (connect error, reset, 5xx). After
 /// `health.passive_fall` in a row the backend is ejected until probes pass.
@@ -37,50 +36,120 @@ pub fn request_succeeded(backend: &Backend) {
     }
 }
 
-/// Probes every backend forever, every `health.interval_ms` (0 disables).
+/// How often the supervisor looks for backends a reload added.
+const SUPERVISE_EVERY: Duration = Duration::from_millis(100);
+/// With active checks off (`health.interval_ms = 0`), how often a prober
+/// looks whether they were turned on by a reload.
+const DISABLED_RECHECK: Duration = Duration::from_secs(1);
+/// Stack of a prober thread: blocking socket calls, buffers on the heap.
+const PROBER_STACK: usize = 256 * 1024;
+
+/// Starts the health supervisor: it gives every backend of the fleet a
+/// prober thread of its own (and each backend a reload adds), so a backend
+/// that answers slowly, or not at all, delays only its own probes.
 pub fn spawn_checker(router: Arc<Router>) -> std::thread::JoinHandle<()> {
     std::thread::Builder::new()
         .name("health".into())
         .spawn(move || {
+            let mut probers: Vec<(Arc<Backend>, std::thread::JoinHandle<()>)> = Vec::new();
             loop {
-                let cfg = router.config.load_full();
-                if cfg.health.interval_ms == 0 {
-                    std::thread::sleep(Duration::from_secs(1));
-                    continue;
-                }
+                probers.retain(|(_, h)| !h.is_finished());
                 let fleet = router.fleet.load_full();
                 for b in &fleet.backends {
-                    probe_once(&router, b);
+                    if probers.iter().any(|(p, _)| Arc::ptr_eq(p, b)) {
+                        continue;
+                    }
+                    let (r, pb) = (router.clone(), b.clone());
+                    match std::thread::Builder::new()
+                        .name(format!("health-{}", b.slot))
+                        .stack_size(PROBER_STACK)
+                        .spawn(move || run_prober(&r, &pb))
+                    {
+                        Ok(h) => probers.push((b.clone(), h)),
+                        // Tried again on the next pass.
+                        Err(e) => {
+                            warn!(backend = %b.url, error = %e, "cannot start a health prober")
+                        }
+                    }
                 }
-                std::thread::sleep(ms(cfg.health.interval_ms));
+                std::thread::sleep(SUPERVISE_EVERY);
             }
         })
         .expect("spawning the health thread")
 }
 
+/// Whether `b` is still in the running fleet (a reload may have removed it).
+fn in_fleet(router: &Router, b: &Arc<Backend>) -> bool {
+    router
+        .fleet
+        .load()
+        .backends
+        .iter()
+        .any(|f| Arc::ptr_eq(f, b))
+}
+
+/// Probes `b` every `health.interval_ms` (start to start; a probe takes at
+/// most `health.timeout_ms`) until a reload removes it.
+fn run_prober(router: &Router, b: &Arc<Backend>) {
+    while in_fleet(router, b) {
+        let interval = router.config.load().health.interval_ms;
+        if interval == 0 {
+            std::thread::sleep(DISABLED_RECHECK);
+            continue;
+        }
+        let started = Instant::now();
+        let result = probe(router, b);
+        // A backend removed while its probe ran has left the index already,
+        // and its slot may be someone else's now.
+        if in_fleet(router, b) {
+            apply(router, b, result);
+        }
+        std::thread::sleep(ms(interval).saturating_sub(started.elapsed()));
+    }
+}
+
 /// One probe of one backend, and the state change it causes.
 pub fn probe_once(router: &Router, b: &Backend) {
+    let result = probe(router, b);
+    apply(router, b, result);
+}
+
+/// `GET health.path`; `Ok` on a 2xx answer within `health.timeout_ms`.
+fn probe(router: &Router, b: &Backend) -> Result<(), String> {
     let cfg = router.config.load();
     let h = &cfg.health;
-    let ok = matches!(get(b, &h.path, ms(h.timeout_ms)), Ok((200..=299, _)));
+    match probe::get(b.addr, &h.path, ms(h.timeout_ms)) {
+        Ok(a) if (200..300).contains(&a.status) => Ok(()),
+        Ok(a) => Err(format!("status {}", a.status)),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn apply(router: &Router, b: &Backend, result: Result<(), String>) {
+    let cfg = router.config.load();
+    let h = &cfg.health;
     let s = &b.state;
-    if ok {
-        s.checks_failed_in_row.store(0, Relaxed);
-        let n = s.checks_ok_in_row.fetch_add(1, Relaxed) + 1;
-        if n >= h.rise && !s.healthy.load(Relaxed) {
-            s.failures_in_row.store(0, Relaxed);
-            s.healthy.store(true, Relaxed);
-            info!(backend = %b.url, "backend is healthy again");
+    match result {
+        Ok(()) => {
+            s.checks_failed_in_row.store(0, Relaxed);
+            let n = s.checks_ok_in_row.fetch_add(1, Relaxed) + 1;
+            if n >= h.rise && !s.healthy.load(Relaxed) {
+                s.failures_in_row.store(0, Relaxed);
+                s.healthy.store(true, Relaxed);
+                info!(backend = %b.url, "backend is healthy again");
+            }
+            if cfg.prefix.read_kv_capacity && !s.kv_known.swap(true, Relaxed) {
+                read_capacity(router, b);
+            }
         }
-        if cfg.prefix.read_kv_capacity && !s.kv_known.swap(true, Relaxed) {
-            read_capacity(router, b);
-        }
-    } else {
-        s.checks_ok_in_row.store(0, Relaxed);
-        let n = s.checks_failed_in_row.fetch_add(1, Relaxed) + 1;
-        if n >= h.fall && s.healthy.swap(false, Relaxed) {
-            router.index.clear_backend(b.slot);
-            warn!(backend = %b.url, path = %h.path, failures = n, "backend failed health checks; taken out");
+        Err(why) => {
+            debug!(backend = %b.url, path = %h.path, error = %why, "health probe failed");
+            s.checks_ok_in_row.store(0, Relaxed);
+            let n = s.checks_failed_in_row.fetch_add(1, Relaxed) + 1;
+            if n >= h.fall && s.healthy.swap(false, Relaxed) {
+                router.index.clear_backend(b.slot);
+                warn!(backend = %b.url, path = %h.path, failures = n, last = %why, "backend failed health checks; taken out");
+            }
         }
     }
 }
@@ -96,10 +165,13 @@ fn read_capacity(router: &Router, b: &Backend) {
     {
         return;
     }
-    let Ok((200, page)) = get(b, "/metrics", ms(cfg.health.timeout_ms)) else {
+    let Ok(answer) = probe::get(b.addr, "/metrics", ms(cfg.health.timeout_ms)) else {
         return;
     };
-    if let Some((block_size, blocks)) = parse_cache_config(&page) {
+    if answer.status != 200 {
+        return;
+    }
+    if let Some((block_size, blocks)) = parse_cache_config(&String::from_utf8_lossy(&answer.body)) {
         // Engine blocks hold `block_size` tokens of ~4 bytes each.
         let cap = (blocks * block_size * 4 / cfg.prefix.block_bytes.max(1)).max(1);
         b.state.kv_blocks.store(cap, Relaxed);
@@ -119,27 +191,6 @@ pub fn parse_cache_config(page: &str) -> Option<(usize, usize)> {
         line[at..].split('"').next()?.parse().ok()
     };
     Some((label("block_size")?, label("num_gpu_blocks")?))
-}
-
-/// A blocking GET with a total timeout; returns the status and body.
-fn get(b: &Backend, path: &str, timeout: Duration) -> std::io::Result<(u16, String)> {
-    let mut s = TcpStream::connect_timeout(&b.addr, timeout)?;
-    s.set_read_timeout(Some(timeout))?;
-    s.set_write_timeout(Some(timeout))?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
-        b.addr
-    )?;
-    let mut buf = Vec::new();
-    s.take(MAX_PROBE_BYTES as u64).read_to_end(&mut buf)?;
-    let text = String::from_utf8_lossy(&buf);
-    let status = text.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let body = text
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    Ok((status, body))
 }
 
 #[cfg(test)]

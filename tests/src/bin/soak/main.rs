@@ -6,6 +6,12 @@
 //! engine was killed (its stream is cut); any other failure is a bug, and the
 //! exit status is 1. Run it with the binaries of one profile, e.g.
 //! `cargo run --release -p router-tests --bin soak -- --minutes 3`.
+//!
+//! With `--hostile` it runs the hostile-clients comparison instead (see
+//! `hostile.rs`): the same normal traffic first alone, then beside slow
+//! readers, slowloris clients, oversized uploads and a trickling backend.
+
+mod hostile;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -49,6 +55,28 @@ struct Args {
     time_scale: f64,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Run the hostile-clients comparison (no kills): a clean phase, then a
+    /// hostile phase, each `--seconds` long.
+    #[arg(long)]
+    hostile: bool,
+    /// Hostile phase: clients that send a long streaming request and never read.
+    #[arg(long, default_value_t = 8)]
+    slow_readers: usize,
+    /// Hostile phase: connections that send a header line a second, never ending the head.
+    #[arg(long, default_value_t = 64)]
+    slowloris: usize,
+    /// Hostile phase: clients that upload bodies over and near the body limit.
+    #[arg(long, default_value_t = 4)]
+    uploaders: usize,
+    /// Size of the near-limit uploads in MiB (the default body limit is 32).
+    #[arg(long, default_value_t = 24)]
+    upload_mib: usize,
+    /// Pause between one uploader's uploads, in ms.
+    #[arg(long, default_value_t = 250)]
+    upload_pause_ms: u64,
+    /// `limits.max_in_flight_per_backend` of the router (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    max_in_flight: u32,
 }
 
 /// Bound on any single request; a request that takes longer is a hang.
@@ -80,6 +108,9 @@ struct Kill {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let run_for = Duration::from_secs_f64(args.seconds.unwrap_or(args.minutes * 60.0));
+    if args.hostile {
+        return hostile::run(&args, run_for);
+    }
     let ts = args.time_scale.to_string();
     let ports: Vec<u16> = (0..args.engines)
         .map(|_| testkit::proc::free_port())
