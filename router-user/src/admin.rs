@@ -267,4 +267,3 @@ fn why(
         (p, _) => format!("{url} chosen by the {} policy", p.name()),
     }
 }
-

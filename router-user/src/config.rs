@@ -106,11 +106,12 @@ pub struct PrefixConfig {
     /// Cost of one request already in flight on a backend, in blocks of
     /// prefill: a running decode slows a new prompt's prefill a little.
     pub in_flight_cost_blocks: f64,
-    /// Cost of each request over the balance bound, in blocks of prefill.
-    /// 64 blocks (about 1,000 tokens, 0.1 s on the reference GPU): a new
-    /// conversation on a hot system prompt moves to a second engine once the
-    /// first is two requests over, while a conversation with a long history
-    /// stays where its history is.
+    /// Cost of being over the balance bound, in blocks of prefill: `n`
+    /// requests over cost `n² * overload_cost_blocks`. 64 blocks (about
+    /// 1,000 tokens, 0.1 s on the reference GPU): a new conversation on a
+    /// hot system prompt moves to a second engine once the first is two
+    /// requests over, a conversation with a long history stays where its
+    /// history is until three.
     pub overload_cost_blocks: f64,
     /// Safety cap: no backend at or above `safety_factor * mean load + slack`,
     /// whatever its cache holds. 2 only stops pile-ups; balance within it is
@@ -123,8 +124,12 @@ pub struct PrefixConfig {
     pub pressure_slack: f64,
     /// Extra cost of each block of the longest match a backend lacks, on top
     /// of recomputing it: writing it evicts as much of someone else's prefix
-    /// there. 1 counts a conversation's history twice when it would move.
+    /// there, when caches are full. 0.5 counts half of it.
     pub move_cost: f64,
+    /// A request whose longest holder leads the next by fewer blocks than
+    /// this has no history at stake: the balance bound is a hard cap for it.
+    /// 4 blocks (about 64 tokens): less than any turn of a conversation.
+    pub sticky_min_blocks: u32,
     /// Blocks a backend must hold for the request to count as warm there.
     pub min_match_blocks: u32,
     /// Leading blocks that key cold prompts (256 bytes: a system prompt's start).
@@ -151,7 +156,8 @@ impl Default for PrefixConfig {
             overload_cost_blocks: 64.0,
             safety_factor: 2.0,
             pressure_slack: 0.1,
-            move_cost: 1.0,
+            move_cost: 0.5,
+            sticky_min_blocks: 4,
             min_match_blocks: 1,
             cold_key_blocks: 4,
             kv_blocks: 65_536,
@@ -172,6 +178,7 @@ impl PrefixConfig {
             safety_factor: self.safety_factor,
             pressure_slack: self.pressure_slack,
             move_cost: self.move_cost,
+            sticky_min_blocks: self.sticky_min_blocks,
         }
     }
 }

@@ -12,11 +12,15 @@
 //!    backend does not hold, so a conversation stays on the engine holding
 //!    its history unless another is predicted faster counting the history
 //!    it would recompute. *In-flight cost*: running decodes slow a prefill.
-//! 2. *Overload*: each request over the balance bound `(1 + epsilon) * mean
-//!    load + slack` costs `overload_cost_blocks`, so a shared prefix hot
+//! 2. *Overload*: `n` requests over the balance bound `(1 + epsilon) * mean
+//!    load + slack` cost `n² * overload_cost_blocks`, so a shared prefix hot
 //!    enough to crowd one engine gets a second engine (it is replicated)
 //!    while a long conversation history still outweighs a small imbalance.
 //! 3. *Safety cap*: no backend at or above `safety_factor * mean + slack`.
+//!    When the longest holder leads the next by fewer than
+//!    `sticky_min_blocks` (nothing private at stake: a new conversation on
+//!    a shared, replicated prompt) the balance bound itself is the cap, so
+//!    new conversations spread evenly and then stay where they started.
 //! 4. *Cold* (no backend holds `min_match_blocks`): rendezvous hashing on
 //!    the prompt's first blocks, skipping backends over the balance bound or
 //!    whose cache is fuller than the emptiest by `pressure_slack` of its
@@ -119,6 +123,7 @@ pub struct PrefixParams {
     pub safety_factor: f64,
     pub pressure_slack: f64,
     pub move_cost: f64,
+    pub sticky_min_blocks: u32,
 }
 
 /// What the request brings to selection.
@@ -226,6 +231,10 @@ struct PrefixView {
     cap: u64,
     /// The longest match over eligible backends.
     longest: u32,
+    /// The longest holder's lead over the next: fewer than
+    /// `sticky_min_blocks` means nothing private is at stake (a new
+    /// conversation on a shared prompt), and the balance bound is hard.
+    shared: bool,
 }
 
 /// One backend's predicted time to first token, and its parts in blocks.
@@ -253,12 +262,18 @@ pub struct Score {
 
 impl PrefixView {
     fn new(input: &RouteInput, loads: &[BackendLoad], p: &PrefixParams) -> PrefixView {
-        let (mut total, mut n, mut longest) = (0u64, 0u64, 0u32);
+        let (mut total, mut n, mut longest, mut second) = (0u64, 0u64, 0u32, 0u32);
         for (b, l) in loads.iter().enumerate() {
             if l.eligible {
                 total += l.load();
                 n += 1;
-                longest = longest.max(input.matches.get(b).copied().unwrap_or(0));
+                let m = input.matches.get(b).copied().unwrap_or(0);
+                if m > longest {
+                    second = longest;
+                    longest = m;
+                } else {
+                    second = second.max(m);
+                }
             }
         }
         let mean = (total + 1) as f64 / n.max(1) as f64;
@@ -268,15 +283,22 @@ impl PrefixView {
                 + u64::from(p.slack))
             .max(1),
             longest,
+            shared: longest - second < p.sticky_min_blocks,
         }
     }
 
     fn score(&self, input: &RouteInput, l: &BackendLoad, b: usize, p: &PrefixParams) -> Score {
         let m = input.matches.get(b).copied().unwrap_or(0);
         let uncached = input.blocks.saturating_sub(m);
-        let over = (l.load() + 1).saturating_sub(self.bound);
+        let over = if self.shared {
+            0
+        } else {
+            (l.load() + 1).saturating_sub(self.bound)
+        };
         let in_flight_cost = p.in_flight_cost_blocks * f64::from(l.in_flight);
-        let overload = p.overload_cost_blocks * over as f64;
+        // Quadratic: one request over is cheap next to a long history, three
+        // over outweigh almost any prefix.
+        let overload = p.overload_cost_blocks * (over * over) as f64;
         // Moving off the engine with the longest match also evicts as much
         // from the new engine's cache, and strands the copy on the old one.
         let moved = p.move_cost * f64::from(self.longest.saturating_sub(m));
@@ -296,7 +318,7 @@ impl PrefixView {
             overload_blocks: overload,
             prefill_blocks_per_s: rate,
             predicted_ttft_s: work / rate,
-            capped: !l.eligible || l.load() >= self.cap,
+            capped: !l.eligible || l.load() >= if self.shared { self.bound } else { self.cap },
             pressure: l.pressure(),
         }
     }
@@ -313,18 +335,24 @@ fn prefix(
         *decision = Decision::Cold;
         return cold(input, loads, p, &view);
     }
+    // With history at stake, the lowest predicted TTFT. With nothing
+    // private at stake (a new conversation on a prompt several engines
+    // hold), the least loaded engine under the balance bound, by TTFT among
+    // equals: the conversation will stay where it starts, so starts are
+    // what spreads load, and a shared prompt costs one prefill per engine.
     let mut best = usize::MAX;
-    let mut best_ttft = f64::INFINITY;
+    let mut best_key = (u64::MAX, f64::INFINITY);
     let mut best_rank = 0;
     for (b, l) in loads.iter().enumerate() {
         let s = view.score(input, l, b, p);
         if s.capped {
             continue;
         }
+        let key = (if view.shared { l.load() } else { 0 }, s.predicted_ttft_s);
         let rank = mix(input.cold_key ^ l.id_hash);
-        if s.predicted_ttft_s < best_ttft || (s.predicted_ttft_s == best_ttft && rank > best_rank) {
+        if key < best_key || (key == best_key && rank > best_rank) {
             best = b;
-            best_ttft = s.predicted_ttft_s;
+            best_key = key;
             best_rank = rank;
         }
     }

@@ -10,6 +10,7 @@ const P: PrefixParams = PrefixParams {
     safety_factor: 2.0,
     pressure_slack: 0.1,
     move_cost: 1.0,
+    sticky_min_blocks: 32,
 };
 
 fn fleet(n: usize) -> Vec<BackendLoad> {
