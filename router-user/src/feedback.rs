@@ -273,7 +273,7 @@ impl Feedback {
     /// Learns from the time between dispatch and the first streamed byte of
     /// a request that found nothing queued ahead of it.
     pub fn observe_ttft(&self, work_blocks: u32, ttft_s: f64) {
-        if work_blocks < RATE_MIN_BLOCKS || !(ttft_s > 0.0) {
+        if work_blocks < RATE_MIN_BLOCKS || ttft_s.is_nan() || ttft_s <= 0.0 {
             return;
         }
         let sample = f64::from(work_blocks) / ttft_s;

@@ -23,9 +23,9 @@
 //!    new conversations spread evenly and then stay where they started.
 //! 4. *Cold* (no backend holds `min_match_blocks`): rendezvous hashing on
 //!    the prompt's first blocks, skipping backends over the balance bound or
-//!    whose cache is fuller than the emptiest by `pressure_slack` of its
-//!    capacity: a new prefix lands where it costs the least cache pressure,
-//!    and router replicas that see the same fleet agree without talking.
+//!    whose cache holds more than the emptiest's by `pressure_slack` of the
+//!    fleet's mean: a new prefix lands where it costs the least cache
+//!    pressure, and router replicas that see the same fleet agree.
 
 /// The routing policies.
 #[derive(
@@ -97,14 +97,24 @@ impl BackendLoad {
         }
     }
 
-    /// Share of its capacity that cached and running prompts fill.
-    fn pressure(&self) -> f64 {
-        let cap = if self.capacity_blocks == 0 {
-            u32::MAX
+    /// Blocks its cache holds for cached and running prompts, as far as
+    /// the router can tell: tracked blocks up to its capacity, plus the
+    /// prompts of its requests in flight.
+    fn used(&self) -> f64 {
+        let cached = if self.capacity_blocks == 0 {
+            self.cached_blocks
         } else {
-            self.capacity_blocks
+            self.cached_blocks.min(self.capacity_blocks)
         };
-        (f64::from(self.cached_blocks) + f64::from(self.in_flight_blocks)) / f64::from(cap)
+        f64::from(cached) + f64::from(self.in_flight_blocks)
+    }
+
+    /// [`Self::used`] as a share of its capacity (0 when unknown).
+    fn pressure(&self) -> f64 {
+        if self.capacity_blocks == 0 {
+            return 0.0;
+        }
+        self.used() / f64::from(self.capacity_blocks)
     }
 }
 
@@ -223,6 +233,13 @@ pub fn select(
     choice
 }
 
+/// The two passes of the warm choice (see [`prefix`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Tier {
+    HoldsStartUnderBound,
+    UnderSafetyCap,
+}
+
 /// What the `prefix` policy works out once per request, before scoring.
 struct PrefixView {
     /// Requests over this load count as overload (balance bound).
@@ -295,7 +312,12 @@ impl PrefixView {
         } else {
             (l.load() + 1).saturating_sub(self.bound)
         };
-        let in_flight_cost = p.in_flight_cost_blocks * f64::from(l.in_flight);
+        let per_request = if self.shared {
+            p.overload_cost_blocks
+        } else {
+            p.in_flight_cost_blocks
+        };
+        let in_flight_cost = per_request * f64::from(l.in_flight);
         // Quadratic: one request over is cheap next to a long history, three
         // over outweigh almost any prefix.
         let overload = p.overload_cost_blocks * (over * over) as f64;
@@ -335,25 +357,59 @@ fn prefix(
         *decision = Decision::Cold;
         return cold(input, loads, p, &view);
     }
-    // With history at stake, the lowest predicted TTFT. With nothing
-    // private at stake (a new conversation on a prompt several engines
-    // hold), the least loaded engine under the balance bound, by TTFT among
-    // equals: the conversation will stay where it starts, so starts are
-    // what spreads load, and a shared prompt costs one prefill per engine.
+    // Two tiers. First, backends under the balance bound that hold at least
+    // the start of the prompt (its system prompt, say): the lowest predicted
+    // TTFT among them, so a conversation moves off a crowded engine only to
+    // one that already holds its shared part, recomputing its history only.
+    // Else (every such backend is over the bound) the lowest predicted TTFT
+    // with the overload cost, under the safety cap: moving a conversation to
+    // an engine that lacks its system prompt too must be worth it.
+    //
+    // With nothing private at stake (a new conversation on a prompt several
+    // engines hold) each request in flight weighs `overload_cost_blocks`,
+    // not `in_flight_cost_blocks`: the conversation will stay where it
+    // starts, so starts are what spreads load, while a copy of the prompt on
+    // one more engine still costs its prefill and the room it takes.
+    let holds_start = |s: &Score| s.matched_blocks >= p.min_match_blocks.max(1);
+    let unloaded = |s: &Score| s.predicted_ttft_s - s.overload_blocks / s.prefill_blocks_per_s;
+    // The fastest start-holder, overload aside: a backend that lacks the
+    // start joins the first tier only if it beats that (a long queue there).
+    let holder_ttft = loads
+        .iter()
+        .enumerate()
+        .map(|(b, l)| view.score(input, l, b, p))
+        .filter(|s| !s.capped && holds_start(s))
+        .map(|s| unloaded(&s))
+        .fold(f64::INFINITY, f64::min);
     let mut best = usize::MAX;
-    let mut best_key = (u64::MAX, f64::INFINITY);
-    let mut best_rank = 0;
-    for (b, l) in loads.iter().enumerate() {
-        let s = view.score(input, l, b, p);
-        if s.capped {
-            continue;
+    for tier in [Tier::HoldsStartUnderBound, Tier::UnderSafetyCap] {
+        let mut best_key = f64::INFINITY;
+        let mut best_rank = 0;
+        for (b, l) in loads.iter().enumerate() {
+            let s = view.score(input, l, b, p);
+            if s.capped {
+                continue;
+            }
+            if tier == Tier::HoldsStartUnderBound
+                && (l.load() >= view.bound || (!holds_start(&s) && unloaded(&s) >= holder_ttft))
+            {
+                continue;
+            }
+            // Under the bound nothing is overloaded.
+            let key = if tier == Tier::HoldsStartUnderBound {
+                unloaded(&s)
+            } else {
+                s.predicted_ttft_s
+            };
+            let rank = mix(input.cold_key ^ l.id_hash);
+            if key < best_key || (key == best_key && rank > best_rank) {
+                best = b;
+                best_key = key;
+                best_rank = rank;
+            }
         }
-        let key = (if view.shared { l.load() } else { 0 }, s.predicted_ttft_s);
-        let rank = mix(input.cold_key ^ l.id_hash);
-        if key < best_key || (key == best_key && rank > best_rank) {
-            best = b;
-            best_key = key;
-            best_rank = rank;
+        if best != usize::MAX {
+            break;
         }
     }
     if best == usize::MAX {
@@ -375,13 +431,17 @@ fn prefix(
 /// `pressure_slack`; then within the bound alone; then the least loaded.
 fn cold(input: &RouteInput, loads: &[BackendLoad], p: &PrefixParams, view: &PrefixView) -> usize {
     let within = |l: &BackendLoad| l.eligible && l.load() < view.bound;
-    let emptiest = loads
-        .iter()
-        .filter(|l| within(l))
-        .map(BackendLoad::pressure)
-        .fold(f64::INFINITY, f64::min);
+    // Compared in blocks, so it works before any capacity is known: the
+    // slack is a share of the fleet's mean use.
+    let (mut emptiest, mut total, mut n) = (f64::INFINITY, 0.0, 0.0);
+    for l in loads.iter().filter(|l| within(l)) {
+        emptiest = emptiest.min(l.used());
+        total += l.used();
+        n += 1.0;
+    }
+    let slack = p.pressure_slack * (total / f64::max(n, 1.0)).max(1.0);
     rendezvous(loads, input.cold_key, |l| {
-        within(l) && l.pressure() <= emptiest + p.pressure_slack
+        within(l) && l.used() <= emptiest + slack
     })
     .or_else(|| rendezvous(loads, input.cold_key, within))
     .unwrap_or_else(|| least_loaded(loads, input.cold_key))

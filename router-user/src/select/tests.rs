@@ -162,12 +162,19 @@ fn a_long_history_stays_on_its_engine_over_the_balance_bound() {
     let mut loads = fleet(3);
     loads[0].in_flight = 5;
     loads[1].in_flight = 1;
-    // 300 blocks of history on backend 0: two requests over the bound cost
-    // 128 blocks, recomputing the history elsewhere 300.
-    let m = [300, 20, 0];
+    // 300 blocks of history on backend 0, which no other engine holds even
+    // the start of: two requests over the bound cost 256 blocks,
+    // recomputing all of it elsewhere 300 and more.
+    let m = [300, 0, 0];
     let c = select(Policy::Prefix, &input(&m, 310, 1), &loads, &P);
     assert_eq!(c.first(), Some(0));
     assert_eq!(c.decision, Decision::Warm);
+    // Where another engine under the bound holds the start (the system
+    // prompt), the conversation moves there and recomputes its history only.
+    let m = [300, 20, 0];
+    let c = select(Policy::Prefix, &input(&m, 310, 1), &loads, &P);
+    assert_eq!(c.first(), Some(1));
+    assert_eq!(c.decision, Decision::Bounded);
 }
 
 #[test]
@@ -208,7 +215,7 @@ fn new_prefixes_skip_a_fuller_cache() {
     }
     loads[0].cached_blocks = 900;
     loads[1].cached_blocks = 100;
-    loads[2].cached_blocks = 150;
+    loads[2].cached_blocks = 120;
     let m = [0; 3];
     for key in 0..64 {
         let c = select(Policy::Prefix, &input(&m, 50, key), &loads, &P);
