@@ -1,8 +1,9 @@
 //! The control plane under misbehaving peers (issue 15): health probes
 //! against a backend that trickles its answer or keeps the connection open,
-//! and the admin listener against idle, slow and endless clients. Real
-//! router and engine processes; the misbehaving peers are small std::net
-//! servers and clients on loopback.
+//! and the admin listener against idle, slow and endless clients; probers
+//! following reloads; and a short `soak --hostile`. Real router and engine
+//! processes; the misbehaving peers are small std::net servers and clients
+//! on loopback.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
