@@ -258,6 +258,19 @@ fn prompt_framed_probe_answers_on_kept_alive_connections_count_as_answers() {
         "every fake answered probes: {seen:?}"
     );
     assert_eq!(r.backend(&busy.url())["healthy"], false);
+    // Operators see it per backend in /metrics.
+    let m = r.metrics();
+    let probes = |url: &str, result: &str| -> u64 {
+        let key =
+            format!("prefix_router_health_probes_total{{backend=\"{url}\",result=\"{result}\"}} ");
+        m.lines()
+            .find_map(|l| l.strip_prefix(&key))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{key} in /metrics:\n{m}"))
+    };
+    assert!(probes(&empty.url(), "passed") >= 5 && probes(&empty.url(), "failed") == 0);
+    assert!(probes(&chunked.url(), "passed") >= 5 && probes(&chunked.url(), "failed") == 0);
+    assert!(probes(&busy.url(), "failed") >= 5 && probes(&busy.url(), "passed") == 0);
 }
 
 #[test]
@@ -347,6 +360,16 @@ fn admin_answers_while_idle_connections_are_open_and_caps_them() {
     drop(many);
     drop(idle);
     drop(half);
+    let refused_total = || {
+        request(r.admin, "GET", "/metrics", &[], b"")
+            .ok()
+            .and_then(|m| {
+                m.text()
+                    .lines()
+                    .find_map(|l| l.strip_prefix("prefix_router_admin_connections_refused_total "))
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+            })
+    };
     // Room again once they close.
     let deadline = Instant::now() + SETTLE;
     loop {
@@ -359,6 +382,11 @@ fn admin_answers_while_idle_connections_are_open_and_caps_them() {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    assert!(
+        refused_total().is_some_and(|n| n >= 20),
+        "refusals counted: {:?}",
+        refused_total()
+    );
 }
 
 #[test]
