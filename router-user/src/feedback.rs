@@ -58,6 +58,19 @@ impl Default for UsageScanner {
     }
 }
 
+impl Usage {
+    /// The engine's cached tokens onto a prompt of `prompt_blocks` router
+    /// blocks, by share of the prompt (engines tokenize and template the
+    /// prompt their own way).
+    pub fn held_blocks(&self, prompt_blocks: u32) -> u32 {
+        if self.prompt_tokens == 0 {
+            return 0;
+        }
+        (u64::from(self.cached_tokens.min(self.prompt_tokens)) * u64::from(prompt_blocks)
+            / u64::from(self.prompt_tokens)) as u32
+    }
+}
+
 const PROMPT_KEY: &[u8] = b"\"prompt_tokens\"";
 const CACHED_KEY: &[u8] = b"\"cached_tokens\"";
 
@@ -174,6 +187,9 @@ const TOLERANCE_BLOCKS: u32 = 2;
 const FLUSH_MIN_BLOCKS: u32 = 16;
 /// Recent prompts lost whole, in a row, that make a flush.
 const FLUSH_REPORTS: u32 = 3;
+/// Capacity samples before an unpublished capacity is trusted to call a
+/// prompt recent.
+const FLUSH_MIN_SAMPLES: u64 = 8;
 /// A prompt sent this recently (a share of the capacity estimate, in new
 /// blocks since) cannot have been evicted by an LRU cache: losing all of it
 /// means the cache was flushed.
@@ -289,10 +305,7 @@ impl Feedback {
         if usage.prompt_tokens == 0 || prompt_blocks == 0 {
             return Correction::None;
         }
-        // The engine's tokens onto the router's blocks, by share of the prompt.
-        let held = (u64::from(usage.cached_tokens.min(usage.prompt_tokens))
-            * u64::from(prompt_blocks)
-            / u64::from(usage.prompt_tokens)) as u32;
+        let held = usage.held_blocks(prompt_blocks);
         self.reports.fetch_add(1, Relaxed);
         self.predicted_blocks
             .fetch_add(u64::from(predicted), Relaxed);
@@ -314,13 +327,18 @@ impl Feedback {
             // evicting under the memory its running requests hold; several
             // in a row, with nothing held in between, is a flush.
             // An engine whose running requests hold much of its memory
-            // evicts anything; only a calm engine's loss tells.
+            // evicts anything; only a calm engine's loss tells. And "recent"
+            // needs a capacity to compare with: published, or learned.
             let calm = f64::from(pinned_blocks) < FLUSH_AGE_SHARE * cap;
+            let trusted = self.known_capacity.load(Relaxed) > 0
+                || self.capacity_samples.load(Relaxed) >= FLUSH_MIN_SAMPLES;
             if held == 0
                 && predicted >= FLUSH_MIN_BLOCKS
                 && calm
+                && trusted
                 && age(0).is_some_and(|a| (a as f64) < FLUSH_AGE_SHARE * cap)
             {
+                // A recent prompt lost whole says nothing of the capacity.
                 if self.empty_in_row.fetch_add(1, Relaxed) + 1 >= FLUSH_REPORTS {
                     self.empty_in_row.store(0, Relaxed);
                     self.flushes.fetch_add(1, Relaxed);
@@ -456,7 +474,13 @@ mod tests {
 
     #[test]
     fn nothing_held_of_a_recent_prompt_is_a_flush() {
-        let f = Feedback::new(4096);
+        // Not before the capacity is known or learned: "recent" means nothing.
+        let f = Feedback::new(65_536);
+        for _ in 0..5 {
+            assert_eq!(f.observe(usage(0), 50, &ages(10), 0), Correction::None);
+        }
+        let f = Feedback::new(65_536);
+        f.set_known_capacity(4096);
         assert_eq!(f.observe(usage(0), 50, &ages(10), 0), Correction::None);
         assert_eq!(f.observe(usage(0), 50, &ages(10), 0), Correction::None);
         assert_eq!(f.observe(usage(0), 50, &ages(10), 0), Correction::Flushed);
@@ -467,11 +491,13 @@ mod tests {
         assert_eq!(f.observe(usage(0), 50, &ages(10), 0), Correction::None);
         assert_eq!(f.observe(usage(0), 50, &ages(10), 0), Correction::None);
         assert_eq!(f.flushes.load(Relaxed), 1);
+        assert_eq!(f.capacity(), 4096, "a flush teaches no capacity");
         // Nothing held of an old prompt is an eviction: the capacity learns.
         assert_eq!(f.observe(usage(0), 50, &ages(2000), 0), Correction::None);
         assert!(f.capacity() < 4096);
         // Nor is a busy engine's loss (its running requests hold memory).
         let f = Feedback::new(4096);
+        f.set_known_capacity(4096);
         for _ in 0..5 {
             assert_eq!(f.observe(usage(0), 50, &ages(10), 2000), Correction::None);
         }

@@ -149,7 +149,7 @@ pub async fn forward(
         // `inflight` counts the request now; give back the reservation.
         backend.state.in_flight.fetch_sub(1, Relaxed);
     }
-    router.learn(backend, &mut c.blocks);
+    router.learn(backend, &mut c.blocks, matched_blocks);
 
     // The delivery rule: a request goes again (to this backend on a fresh
     // connection, or to the next candidate) only when no backend can have

@@ -58,9 +58,10 @@ pub struct PrefixIndex {
     rings: Box<[Mutex<Ring>]>,
     /// Each ring's length, readable without its lock (selection reads it).
     ring_lens: Box<[AtomicUsize]>,
-    /// Blocks each backend was newly sent, since start: the clock block
-    /// ages are measured in (an LRU engine evicts a block once more new
-    /// blocks than its capacity arrived after the block's last use).
+    /// Blocks each backend had to compute (allocate in its cache), since
+    /// start: the clock block ages are measured in. An LRU engine evicts a
+    /// block once more blocks than its capacity were allocated after the
+    /// block's last use.
     pushed: Box<[AtomicU64]>,
     evictions: AtomicU64,
     tracked: AtomicUsize,
@@ -165,19 +166,35 @@ impl PrefixIndex {
     /// [`Self::insert`] with the slots a lookup noted for these hashes; a
     /// noted slot is used when it still holds its block, else it is probed.
     pub fn insert_noted(&self, backend: usize, hashes: &[u64], found: &[u32]) {
-        self.insert_aging(backend, hashes, found, &mut Vec::new());
+        self.insert_aging(backend, hashes, found, 0, &mut Vec::new());
     }
 
-    /// [`Self::insert_noted`], also writing into `ages` (cleared first) each
-    /// block's age before this send: new blocks `backend` was sent since it
-    /// was last sent this one, [`AGE_UNKNOWN`] when another backend was sent
-    /// it since or it was never sent. The closed loop (`feedback`) compares
-    /// these ages with what the engine says it still held.
-    pub fn insert_aging(&self, backend: usize, hashes: &[u64], found: &[u32], ages: &mut Vec<u64>) {
+    /// `backend` computed `n` blocks more than the index predicted (an
+    /// answer said so): they count on its allocation clock.
+    pub fn allocated(&self, backend: usize, n: u64) {
+        self.pushed[backend].fetch_add(n, Relaxed);
+    }
+
+    /// [`Self::insert_noted`] for a prompt whose first `matched` blocks the
+    /// backend was predicted to hold, also writing into `ages` (cleared
+    /// first) each block's age before this send: blocks the backend computed
+    /// since it was last sent this one, [`AGE_UNKNOWN`] when another backend
+    /// was sent it since or it was never sent. The closed loop (`feedback`)
+    /// compares these ages with what the engine says it still held.
+    pub fn insert_aging(
+        &self,
+        backend: usize,
+        hashes: &[u64],
+        found: &[u32],
+        matched: u32,
+        ages: &mut Vec<u64>,
+    ) {
         let bit = 1u64 << backend;
         ages.clear();
         let tag = (backend as u64) << SENT_SHIFT;
-        let now = self.pushed[backend].load(Relaxed);
+        let alloc = hashes.len().saturating_sub(matched as usize) as u64;
+        let end = self.pushed[backend].fetch_add(alloc, Relaxed) + alloc;
+        let now = end - alloc;
         let age_of = |s: &Slot| {
             let sent = s.last_sent.load(Relaxed);
             if sent != 0 && sent & !SENT_MASK == tag {
@@ -199,7 +216,7 @@ impl PrefixIndex {
                         s.referenced.fetch_or(bit, Relaxed);
                     }
                     ages.push(age_of(s));
-                    s.last_sent.store(tag | now, Relaxed);
+                    s.last_sent.store(tag | end, Relaxed);
                 }
                 _ => {
                     first_new = i;
@@ -217,8 +234,6 @@ impl PrefixIndex {
             return;
         }
         ages.resize(hashes.len(), AGE_UNKNOWN);
-        let new = hashes.len() - first_new;
-        let end = self.pushed[backend].fetch_add(new as u64, Relaxed) + new as u64;
         // Tail first: within one prompt the ring then forgets the tail before
         // the head, as engines evict (a prefix outlives its extensions).
         for (i, &h) in hashes.iter().enumerate().skip(first_new).rev() {

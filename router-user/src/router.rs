@@ -227,13 +227,15 @@ impl Router {
     }
 
     /// Records that `backend` was sent the prompt with these block hashes.
-    pub fn learn(&self, backend: &Backend, blocks: &mut PromptBlocks) {
+    /// `matched`: blocks of it the index said the backend held.
+    pub fn learn(&self, backend: &Backend, blocks: &mut PromptBlocks, matched: u32) {
         blocks.ages.clear();
         if !blocks.hashes.is_empty() && self.config.load().policy == Policy::Prefix {
             self.index.insert_aging(
                 backend.slot,
                 &blocks.hashes,
                 &blocks.found,
+                matched,
                 &mut blocks.ages,
             );
         }
@@ -289,6 +291,11 @@ impl Router {
         }
         let slot = backend.slot;
         let pinned = backend.state.in_flight_blocks.load(Relaxed);
+        let held = usage.held_blocks(blocks.hashes.len() as u32);
+        if held < predicted {
+            // It computed what it was predicted to hold: that is allocation too.
+            self.index.allocated(slot, u64::from(predicted - held));
+        }
         match backend
             .feedback
             .observe(usage, predicted, &blocks.ages, pinned)

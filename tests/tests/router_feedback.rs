@@ -1,0 +1,157 @@
+//! The closed loop: the router compares what each answer says the engine
+//! had cached (`usage.prompt_tokens_details.cached_tokens`) with what its
+//! index predicted, exports the error, forgets a flushed engine, and learns
+//! a capacity nobody published.
+
+use std::net::SocketAddr;
+
+use serde_json::json;
+use testkit::engine_proc::SimEngine;
+use testkit::http::{post_json, request};
+use testkit::router_proc::Router;
+
+/// A document of `blocks` 64-byte blocks: 16 sim-engine tokens each, so the
+/// router's blocks and the engine's line up.
+fn doc(id: usize, blocks: usize) -> String {
+    let unit = format!("document {id:04} line; ");
+    let mut s = String::new();
+    while s.len() < blocks * 64 {
+        s.push_str(&unit);
+    }
+    s.truncate(blocks * 64);
+    s
+}
+
+fn addr(url: &str) -> SocketAddr {
+    url.trim_start_matches("http://").parse().expect("address")
+}
+
+/// Sends one completion; returns the backend that served it and the cached tokens.
+fn complete(router: &Router, prompt: &str) -> (String, u64) {
+    let r = post_json(
+        addr(&router.url()),
+        "/v1/completions",
+        &json!({"model": "sim-llama-8b", "prompt": prompt, "max_tokens": 4}),
+    )
+    .expect("completion");
+    assert_eq!(r.status, 200, "{}", r.text());
+    let backend = r
+        .header("x-prefix-router-backend")
+        .expect("debug header")
+        .to_owned();
+    let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    (backend, cached)
+}
+
+fn metric(text: &str, name: &str, backend: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && l.contains(&format!("backend=\"{backend}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn a_flushed_engine_is_forgotten_and_the_error_is_exported() {
+    let engines = SimEngine::fleet(2, &["--time-scale", "0"]);
+    let urls: Vec<String> = engines.iter().map(SimEngine::url).collect();
+    let router = Router::spawn(&urls, &["--debug-headers"], "");
+    // Eight documents, each sent twice: the second time is a predicted hit.
+    let docs: Vec<String> = (0..8).map(|i| doc(i, 64)).collect();
+    let mut placed = Vec::new();
+    for d in &docs {
+        let (b, _) = complete(&router, d);
+        let (again, cached) = complete(&router, d);
+        assert_eq!(b, again, "a repeated prompt stays on its engine");
+        assert!(cached >= 60 * 16, "the repeat was cached: {cached} tokens");
+        placed.push(b);
+    }
+    let m = router.metrics();
+    let reports: f64 = urls
+        .iter()
+        .map(|u| metric(&m, "prefix_router_prediction_reports_total", u))
+        .sum();
+    assert_eq!(reports, 16.0, "every answer was compared:\n{m}");
+    assert!(m.contains("prefix_router_prediction_error_blocks_total"));
+    assert!(m.contains("prefix_router_learned_capacity_blocks"));
+    // Flush the engine that holds the most documents, behind the router's back.
+    let victim = if placed.iter().filter(|b| **b == urls[0]).count() >= 4 {
+        &urls[0]
+    } else {
+        &urls[1]
+    };
+    let on_victim: Vec<&String> = docs
+        .iter()
+        .zip(&placed)
+        .filter(|(_, b)| *b == victim)
+        .map(|(d, _)| d)
+        .collect();
+    assert!(on_victim.len() >= 4, "{placed:?}");
+    let before = router.backend(victim)["index_blocks"].as_u64().unwrap();
+    assert!(before >= 4 * 64, "{before}");
+    let r = request(addr(victim), "POST", "/reset_prefix_cache", &[], b"").expect("flush");
+    assert_eq!(r.status, 200);
+    // The router still predicts hits there; the first answers say nothing
+    // was cached, and after a few in a row it forgets the engine.
+    for d in &on_victim[..3] {
+        let (b, cached) = complete(&router, d);
+        assert_eq!(&b, victim);
+        assert_eq!(cached, 0);
+    }
+    let after = router.backend(victim);
+    assert_eq!(after["prediction"]["flushes"], 1, "{after}");
+    let blocks = after["index_blocks"].as_u64().unwrap();
+    assert!(
+        blocks <= 64,
+        "only the prompt just computed is left: {blocks} of {before}"
+    );
+    let m = router.metrics();
+    let flushes = m
+        .lines()
+        .find(|l| {
+            l.starts_with("prefix_router_mispredictions_total")
+                && l.contains(victim.as_str())
+                && l.contains("kind=\"flush\"")
+        })
+        .unwrap_or_default();
+    assert!(flushes.ends_with(" 1"), "{flushes}");
+    // The other engine's picture is untouched.
+    let other = urls.iter().find(|u| *u != victim).unwrap();
+    assert_eq!(router.backend(other)["prediction"]["flushes"], 0);
+}
+
+#[test]
+fn an_unpublished_capacity_is_learned_from_the_answers() {
+    // One engine with room for 512 blocks that does not tell the router;
+    // the router starts from its default of 65,536.
+    let cap = 512.0;
+    let engines = SimEngine::fleet(1, &["--time-scale", "0", "--kv-blocks", "512"]);
+    let urls: Vec<String> = engines.iter().map(SimEngine::url).collect();
+    let router = Router::spawn(
+        &urls,
+        &["--debug-headers"],
+        "[prefix]\nread_kv_capacity = false\n",
+    );
+    assert_eq!(
+        router.backend(&urls[0])["learned_capacity_blocks"],
+        65_536,
+        "nothing learned yet"
+    );
+    // 24 documents of 32 blocks in a shuffled cycle: the engine keeps about
+    // 15 of them, so some repeats hit and some were evicted.
+    let docs: Vec<String> = (0..24).map(|i| doc(i, 32)).collect();
+    let mut x = 7u64;
+    for _ in 0..300 {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        complete(&router, &docs[(x >> 33) as usize % docs.len()]);
+    }
+    let b = router.backend(&urls[0]);
+    let learned = b["learned_capacity_blocks"].as_f64().unwrap();
+    assert!(
+        (learned - cap).abs() <= 0.25 * cap,
+        "learned {learned} blocks, the engine has {cap}: {b}"
+    );
+}
