@@ -29,6 +29,10 @@ pub struct Metrics {
     resends: [AtomicU64; 3],
     /// Requests a backend closed on after reading them whole (502, not re-sent).
     unanswered: AtomicU64,
+    /// Health probes per backend slot: passed, failed.
+    probes: Box<[[AtomicU64; 2]]>,
+    /// Admin connections refused because `MAX_CONNECTIONS` were open.
+    admin_refused: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -42,6 +46,8 @@ impl Default for Metrics {
             routing_seconds: Histogram::new([5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3]),
             resends: Default::default(),
             unanswered: AtomicU64::new(0),
+            probes: (0..MAX_BACKENDS).map(|_| Default::default()).collect(),
+            admin_refused: AtomicU64::new(0),
         }
     }
 }
@@ -64,9 +70,19 @@ impl Metrics {
 
     /// A new backend took `slot`: its response counts start at zero.
     pub fn clear_slot(&self, slot: usize) {
-        for c in &self.responses[slot] {
+        for c in self.responses[slot].iter().chain(&self.probes[slot]) {
             c.store(0, Relaxed);
         }
+    }
+
+    /// A health probe of the backend in `slot` passed or failed.
+    pub fn observe_probe(&self, slot: usize, passed: bool) {
+        self.probes[slot][usize::from(!passed)].fetch_add(1, Relaxed);
+    }
+
+    /// The admin listener refused a connection (too many open).
+    pub fn admin_refused(&self) {
+        self.admin_refused.fetch_add(1, Relaxed);
     }
 
     pub fn resent(&self, reason: Resend) {
@@ -109,8 +125,16 @@ impl Metrics {
         let error = Family::<Vec<(String, String)>, Counter>::default();
         let reports = Family::<Vec<(String, String)>, Counter>::default();
         let mispredictions = Family::<Vec<(String, String)>, Counter>::default();
+        let probes = Family::<Vec<(String, String)>, Counter>::default();
         for b in &fleet.backends {
             let l = vec![("backend".to_owned(), b.url.clone())];
+            for (i, result) in ["passed", "failed"].iter().enumerate() {
+                let mut l = l.clone();
+                l.push(("result".to_owned(), (*result).to_owned()));
+                probes
+                    .get_or_create(&l)
+                    .inc_by(self.probes[b.slot][i].load(Relaxed));
+            }
             for (i, class) in CLASSES.iter().enumerate() {
                 let v = self.responses[b.slot][i].load(Relaxed);
                 if v > 0 {
@@ -178,6 +202,18 @@ impl Metrics {
             "xdp",
             "XDP counters per backend: connections opened (SYN-ACK), closed (FIN), reset (RST), packets and bytes it sent",
             xdp,
+        );
+        reg.register(
+            "health_probes",
+            "Active health probes per backend, passed or failed (refused, timed out at health.timeout_ms, not 2xx, or badly framed)",
+            probes,
+        );
+        let admin_refused = Counter::<u64>::default();
+        admin_refused.inc_by(self.admin_refused.load(Relaxed));
+        reg.register(
+            "admin_connections_refused",
+            "Admin connections answered 503 because the admin listener's connection cap was reached",
+            admin_refused,
         );
         reg.register(
             "backend_in_flight",

@@ -88,6 +88,7 @@ fn admit(
 ) {
     if active.fetch_add(1, Relaxed) >= MAX_CONNECTIONS {
         active.fetch_sub(1, Relaxed);
+        router.metrics.admin_refused();
         warn!(%peer, max = MAX_CONNECTIONS, "refusing an admin connection: too many open");
         refuse(stream);
         return;

@@ -154,6 +154,7 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
             let hostile = name == "hostile";
             trickling.store(hostile, Relaxed);
             let started = Instant::now();
+            let cpu_before = cpu_seconds(pid);
             let results: Mutex<Vec<Done>> = Mutex::default();
             let stop = AtomicBool::new(false);
             std::thread::scope(|phase| {
@@ -190,6 +191,7 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
                 started,
                 Instant::now(),
                 results.into_inner().expect("results"),
+                cpu_seconds(pid) - cpu_before,
             ));
         }
         watching.store(false, Relaxed);
@@ -198,7 +200,7 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
     let samples = samples.into_inner().expect("samples");
     let rss = rss.into_inner().expect("rss");
     let mut summary = Vec::new();
-    for (name, from, to, results) in &phases {
+    for (name, from, to, results, cpu) in &phases {
         let ok: Vec<f64> = results
             .iter()
             .filter(|d| matches!(d.outcome, Outcome::Ok))
@@ -224,7 +226,7 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
             .collect();
         println!(
             "hostile: phase={name} requests={} ok={} success={success:.3}% p50_ms={p50:.1} p99_ms={p99:.1} \
-             rss_max_kib={rss_max} rss_last_kib={rss_last} in_flight_2nd_half_median={:.0} \
+             router_cpu_s={cpu:.1} rss_max_kib={rss_max} rss_last_kib={rss_last} in_flight_2nd_half_median={:.0} \
              in_flight_2nd_half_max={:.0} canary_lag_ms_median={lag_median:.0} \
              canary_lag_ms_max={lag_max:.0} canary_flips_missed={missed}",
             results.len(),
@@ -292,6 +294,27 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
     drop(engines);
     anyhow::ensure!(!phases[0].3.is_empty(), "no traffic went through");
     Ok(())
+}
+
+/// CPU time (user and system, all threads) of process `pid` in seconds,
+/// from `/proc/PID/stat` (in USER_HZ ticks, 100 a second on Linux).
+fn cpu_seconds(pid: u32) -> f64 {
+    const USER_HZ: f64 = 100.0;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces): state is the
+    // first, utime the 12th, stime the 13th.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .map_or("", |(_, rest)| rest)
+        .split_whitespace()
+        .collect();
+    let tick = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (tick(11) + tick(12)) / USER_HZ
 }
 
 /// The `q` quantile of `v` (nearest rank), 0 when empty.
