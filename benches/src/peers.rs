@@ -381,3 +381,90 @@ impl PeerRouter {
         format!("http://{}", self.addr)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(c: &Command) -> Vec<String> {
+        c.get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    }
+
+    fn env(c: &Command, key: &str) -> Option<String> {
+        c.get_envs()
+            .find(|(k, _)| *k == key)
+            .and_then(|(_, v)| v.map(|v| v.to_string_lossy().into_owned()))
+    }
+
+    #[test]
+    fn every_peer_binds_loopback_with_its_own_ports_and_a_dead_hub() {
+        let workers = [
+            "http://127.0.0.1:1".to_string(),
+            "http://127.0.0.1:2".into(),
+        ];
+        for p in Peer::ALL {
+            let c = p.command(Path::new("/v"), 4100, 4200, &workers);
+            let a = args(&c);
+            let after = |flag: &str| {
+                let i = a
+                    .iter()
+                    .position(|x| x == flag)
+                    .unwrap_or_else(|| panic!("{} lacks {flag}: {a:?}", p.name()));
+                a[i + 1].clone()
+            };
+            assert_eq!(after("--host"), "127.0.0.1", "{}", p.name());
+            assert_eq!(after("--port"), "4100");
+            assert_eq!(after("--prometheus-host"), "127.0.0.1");
+            assert_eq!(after("--prometheus-port"), "4200");
+            assert_eq!(after("--policy"), "cache_aware");
+            let w = a.iter().position(|x| x == "--worker-urls").unwrap();
+            assert_eq!(&a[w + 1..w + 3], &workers[..]);
+            assert_eq!(env(&c, "HF_ENDPOINT").as_deref(), Some(DEAD_HUB));
+            assert_eq!(Peer::from_name(p.name()), Some(p));
+        }
+        let smg = args(&Peer::Smg.command(Path::new("/v"), 1, 2, &workers));
+        assert_eq!(smg[0], "launch");
+        assert!(smg.contains(&"--disable-tokenizer-autoload".to_string()));
+        let w = smg
+            .iter()
+            .position(|x| x == "--worker-warmup-secs")
+            .unwrap();
+        assert_eq!(smg[w + 1], "0");
+        // sglang-router by module: its `smg` script would shadow the real smg.
+        let sg = Peer::Sglang.command(Path::new("/v"), 1, 2, &workers);
+        assert_eq!(sg.get_program(), "/v/bin/python");
+        assert_eq!(&args(&sg)[..2], ["-m", "sglang_router.launch_router"]);
+    }
+
+    #[test]
+    fn an_install_counts_only_with_its_marker_of_the_pinned_versions() {
+        let dir = std::env::temp_dir().join(format!("peers-venv-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("bin")).unwrap();
+        for b in ["python", "vllm-router", "smg"] {
+            std::fs::write(dir.join("bin").join(b), "").unwrap();
+        }
+        assert!(
+            Venv::installed(&dir).is_none(),
+            "no marker: a broken install"
+        );
+        std::fs::write(dir.join(MARKER), "sglang-router==0.3.1").unwrap();
+        assert!(Venv::installed(&dir).is_none(), "other versions");
+        std::fs::write(dir.join(MARKER), Venv::marker_text()).unwrap();
+        assert!(Venv::installed(&dir).is_some());
+        std::fs::remove_file(dir.join("bin/smg")).unwrap();
+        assert!(Venv::installed(&dir).is_none(), "smg missing");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(
+            Venv::default_dir(Path::new("/w/target/release")),
+            Path::new("/w/target/peers-venv")
+        );
+    }
+
+    #[test]
+    fn this_namespace_lists_loopback() {
+        assert!(interfaces().iter().any(|i| i == "lo"), "{:?}", interfaces());
+    }
+}

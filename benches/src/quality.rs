@@ -444,3 +444,33 @@ pub fn load_over_time(records: &[Record], step_s: f64) -> BTreeMap<String, Vec<(
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn select_keeps_the_named_rows_in_the_asked_order() {
+        let mut q = QualityCfg::full();
+        let names = ["hot-prompt".to_string(), "pressure-unpublished".into()];
+        q.select(&names).unwrap();
+        let got: Vec<&str> = q.scenarios.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(got, ["hot-prompt", "pressure-unpublished"]);
+        q.peers = Peer::ALL.to_vec();
+        assert_eq!(q.runs(), 2 * (3 + 3), "3 policies + 3 peers per row");
+        q.policies = Some(vec!["prefix".into()]);
+        assert_eq!(q.runs(), 2 * (1 + 3));
+        let err = QualityCfg::full()
+            .select(&["pressure".to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("pressure-published"), "{err}");
+    }
+
+    #[test]
+    fn load_is_busiest_over_mean() {
+        assert_eq!(max_over_mean(&[10, 10, 10]), 1.0);
+        assert_eq!(max_over_mean(&[30, 0, 0]), 3.0);
+        assert_eq!(max_over_mean(&[]), 0.0);
+    }
+}
