@@ -255,7 +255,11 @@ pub fn table(r: &DemoResults) -> Table {
             format!("{:.1}", s.throughput_rps),
             format!("{:.0}", s.output_tokens_per_s),
             format!("{:.2}", s.load_max_mean_ratio),
-            format!("{:.1} / {:.0}", p.routing.mean_us, p.routing.p99_le_us),
+            if Peer::from_name(&p.policy).is_some() {
+                "-".into()
+            } else {
+                format!("{:.1} / {:.0}", p.routing.mean_us, p.routing.p99_le_us)
+            },
         ]);
     }
     t
