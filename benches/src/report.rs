@@ -603,7 +603,7 @@ pub fn quality_markdown(q: &crate::quality::QualityCfg, rows: &[QualityRow]) -> 
             }
             .into(),
             match s.drive.arrivals_per_s {
-                Some(r) => format!("open loop, {r:.2}/s"),
+                Some(r) => format!("open loop, {r:.2} new chats per simulated s"),
                 None => s.drive.users.to_string(),
             },
             format!("{}", s.think_s),
