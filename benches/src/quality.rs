@@ -261,6 +261,10 @@ pub fn run_one(
     })
 }
 
+fn one() -> usize {
+    1
+}
+
 /// A router's figures on one row.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct QualityRow {
@@ -276,6 +280,10 @@ pub struct QualityRow {
     pub hide_capacity: bool,
     #[serde(default)]
     pub think_s: f64,
+    /// Runs the figures are medians of (`--repeats`); requests and errors
+    /// are their sums.
+    #[serde(default = "one")]
+    pub runs: usize,
     pub requests: u64,
     pub errors: u64,
     /// Cached over prompt tokens, over all successful requests.
@@ -294,6 +302,32 @@ pub struct QualityRow {
 }
 
 impl QualityRow {
+    /// One row of figures from repeated runs of the same router on the same
+    /// row: each figure is the median over the runs (taken separately, so
+    /// the p99 is the median p99); requests and errors are summed.
+    pub fn median(runs: &[QualityRow]) -> QualityRow {
+        let mut r = runs[0].clone();
+        if runs.len() == 1 {
+            return r;
+        }
+        let m = |f: fn(&QualityRow) -> f64| median(runs.iter().map(f).collect());
+        r.runs = runs.iter().map(|x| x.runs).sum();
+        r.requests = runs.iter().map(|x| x.requests).sum();
+        r.errors = runs.iter().map(|x| x.errors).sum();
+        r.hit_rate = m(|x| x.hit_rate);
+        r.ceiling = m(|x| x.ceiling);
+        r.ttft_p50_ms = m(|x| x.ttft_p50_ms);
+        r.ttft_p90_ms = m(|x| x.ttft_p90_ms);
+        r.ttft_p99_ms = m(|x| x.ttft_p99_ms);
+        r.latency_p50_ms = m(|x| x.latency_p50_ms);
+        r.latency_p99_ms = m(|x| x.latency_p99_ms);
+        r.rps = m(|x| x.rps);
+        r.load_max_mean = m(|x| x.load_max_mean);
+        r.routing.mean_us = m(|x| x.routing.mean_us);
+        r.routing.p99_le_us = m(|x| x.routing.p99_le_us);
+        r
+    }
+
     pub fn of(run: &PolicyRun, qs: &QualityScenario) -> QualityRow {
         let s = &run.summary;
         QualityRow {
@@ -304,6 +338,7 @@ impl QualityRow {
             engines: qs.drive.engines,
             hide_capacity: qs.hide_capacity,
             think_s: qs.think_s,
+            runs: 1,
             requests: s.ok,
             errors: s.errors,
             hit_rate: s.hit_rate,
@@ -329,6 +364,9 @@ pub struct QualityCfg {
     /// The peer routers that ran (filled when their virtualenv is there).
     #[serde(default)]
     pub peers: Vec<Peer>,
+    /// Runs of each router on each row; the figures are medians.
+    #[serde(default = "one")]
+    pub repeats: usize,
     pub timing: Timing,
 }
 
@@ -339,6 +377,7 @@ impl QualityCfg {
             scenarios: crate::scenarios::all(),
             policies: None,
             peers: Vec::new(),
+            repeats: 1,
             timing: Timing::default(),
         }
     }
@@ -391,12 +430,14 @@ impl QualityCfg {
         self.policies.as_deref().unwrap_or(&qs.policies)
     }
 
-    /// Runs in all: every row under its policies and every peer.
+    /// Runs in all: every row under its policies and every peer, repeated.
     pub fn runs(&self) -> usize {
-        self.scenarios
-            .iter()
-            .map(|s| self.policies_for(s).len() + self.peers.len())
-            .sum()
+        self.repeats.max(1)
+            * self
+                .scenarios
+                .iter()
+                .map(|s| self.policies_for(s).len() + self.peers.len())
+                .sum::<usize>()
     }
 }
 
@@ -418,13 +459,33 @@ pub fn run(
         if let Some(v) = venv {
             fronts.extend(cfg.peers.iter().map(|&p| Front::Peer(v, p)));
         }
-        for front in fronts {
-            tick(&format!("{} / {}", qs.name, front.name()));
-            let run = run_one(bins, qs, front, &cfg.timing)?;
-            rows.push(QualityRow::of(&run, qs));
+        // Rounds over all routers, so a noisy minute of the machine is
+        // spread over every router rather than landing on one.
+        let mut runs: Vec<Vec<QualityRow>> = vec![Vec::new(); fronts.len()];
+        for round in 0..cfg.repeats.max(1) {
+            for (i, front) in fronts.iter().enumerate() {
+                tick(&format!(
+                    "{} / {} (round {})",
+                    qs.name,
+                    front.name(),
+                    round + 1
+                ));
+                let run = run_one(bins, qs, *front, &cfg.timing)?;
+                runs[i].push(QualityRow::of(&run, qs));
+            }
         }
+        rows.extend(runs.iter().map(|r| QualityRow::median(r)));
     }
     Ok(rows)
+}
+
+/// The median of `v` (the upper one of an even count; 0 when empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// Requests in flight on each engine over time, sampled every `step_s`.
@@ -465,6 +526,34 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("pressure-published"), "{err}");
+    }
+
+    #[test]
+    fn repeated_runs_give_medians_figure_by_figure() {
+        let qs = crate::scenarios::named_scenarios().remove(0);
+        let run = |hit: f64, p99: f64| PolicyRun {
+            policy: "prefix".into(),
+            summary: Summary {
+                ok: 10,
+                hit_rate: hit,
+                ttft_ms: testkit::workload::Percentiles {
+                    p99,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            records: Vec::new(),
+            routing: RoutingTime::default(),
+            per_engine: vec![5, 5],
+        };
+        let rows: Vec<QualityRow> = [(0.7, 900.0), (0.5, 300.0), (0.6, 100.0)]
+            .iter()
+            .map(|&(h, p)| QualityRow::of(&run(h, p), &qs))
+            .collect();
+        let m = QualityRow::median(&rows);
+        assert_eq!((m.hit_rate, m.ttft_p99_ms), (0.6, 300.0));
+        assert_eq!((m.runs, m.requests), (3, 30));
+        assert_eq!(m.load_max_mean, 1.0);
     }
 
     #[test]
