@@ -293,7 +293,7 @@ fn markdown(r: &DemoResults, table: &Table) -> String {
     );
     let _ = writeln!(m, "{}", table.markdown());
     if !c.peers.is_empty() {
-        let _ = writeln!(m, "{}\n", crate::report::PEERS_NOTE);
+        let _ = writeln!(m, "{}\n", crate::quality_report::PEERS_NOTE);
     }
     let _ = writeln!(
         m,

@@ -19,8 +19,8 @@
 //! - [`peers`]: sglang-router, vllm-router and smg in their own virtualenv,
 //!   run inside a network namespace with only loopback;
 //! - [`micro`]: criterion's figures read back from its output folder;
-//! - [`report`], [`charts`]: Markdown, JSON, SVG, and the comparison with a
-//!   previous run.
+//! - [`report`], [`quality_report`], [`charts`]: Markdown, JSON, SVG, and
+//!   the comparison with a previous run.
 //!
 //! Invariants: every child process is registered in [`fleet`] and killed on
 //! drop, on panic and on SIGINT/SIGTERM; every loop is bounded in time; all
@@ -38,5 +38,6 @@ pub mod nginx;
 pub mod overhead;
 pub mod peers;
 pub mod quality;
+pub mod quality_report;
 pub mod report;
 pub mod scenarios;
