@@ -1,11 +1,14 @@
 //! The demo: a fleet of simulated engines with a GPU-like timing model,
 //! prefix-router in front, and a multi-turn chat workload with shared system
-//! prompts replayed through each policy against freshly started engines.
-//! Prints a table per policy and writes a Markdown report with SVG charts.
+//! prompts (people thinking between turns) replayed through each policy, and
+//! through the peer routers when they are installed, against freshly started
+//! engines. Prints a table per policy and writes a Markdown report with SVG
+//! charts.
 
 use crate::charts;
 use crate::fleet::Bins;
-use crate::quality::{self, Drive, PolicyRun, Timing};
+use crate::peers::{Peer, Venv};
+use crate::quality::{self, Drive, Front, PolicyRun, QualityScenario, Timing};
 use crate::report::{Table, pct};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
@@ -25,6 +28,12 @@ pub struct DemoCfg {
     pub kv_blocks: usize,
     /// Shared system prompts of the chat workload.
     pub system_prompts: usize,
+    /// Mean think time between turns in simulated seconds (scaled).
+    #[serde(default)]
+    pub think_s: f64,
+    /// The peer routers that ran beside the policies.
+    #[serde(default)]
+    pub peers: Vec<Peer>,
 }
 
 impl Default for DemoCfg {
@@ -39,12 +48,15 @@ impl Default for DemoCfg {
                 users: 24,
                 duration_s: 32.0,
                 seed: 7,
+                arrivals_per_s: None,
             },
             timing: Timing::default(),
             // One engine holds its share of the 24 live conversations (up to
             // ~300 blocks each) when they stay put, not all of them.
             kv_blocks: quality::kv_blocks_for(ScenarioKind::Chat),
             system_prompts: 4,
+            think_s: crate::scenarios::THINK_S,
+            peers: Vec::new(),
         }
     }
 }
@@ -54,6 +66,20 @@ impl DemoCfg {
         Scenario {
             prefixes: self.system_prompts,
             ..quality::scenario_for(ScenarioKind::Chat)
+        }
+    }
+
+    /// The demo as a quality row.
+    pub fn row(&self) -> QualityScenario {
+        QualityScenario {
+            name: "demo-chat".into(),
+            about: "the demo's support chat".into(),
+            scenario: self.scenario(),
+            kv_blocks: self.kv_blocks,
+            hide_capacity: false,
+            think_s: self.think_s,
+            drive: self.drive.clone(),
+            policies: self.policies.clone(),
         }
     }
 }
@@ -71,12 +97,16 @@ pub struct DemoResults {
     pub policies: Vec<DemoPolicy>,
 }
 
-/// Runs the demo and writes its report into `out`; returns the report's path.
-pub fn run(bins: &Bins, cfg: &DemoCfg, out: &Path) -> anyhow::Result<PathBuf> {
+/// Runs the demo (the peers too when `venv` is given and `cfg.peers` lists
+/// them) and writes its report into `out`; returns the report's path.
+pub fn run(bins: &Bins, cfg: &DemoCfg, venv: Option<&Venv>, out: &Path) -> anyhow::Result<PathBuf> {
     std::fs::create_dir_all(out)?;
-    let scenario = cfg.scenario();
-    let args = cfg.timing.engine_args(cfg.kv_blocks);
-    let total = cfg.drive.duration_s * cfg.policies.len() as f64;
+    let row = cfg.row();
+    let mut fronts: Vec<Front<'_>> = cfg.policies.iter().map(|p| Front::Policy(p)).collect();
+    if let Some(v) = venv {
+        fronts.extend(cfg.peers.iter().map(|&p| Front::Peer(v, p)));
+    }
+    let total = cfg.drive.duration_s * fronts.len() as f64;
     let pb = ProgressBar::new((total * 10.0) as u64);
     pb.set_style(
         ProgressStyle::with_template(
@@ -85,16 +115,25 @@ pub fn run(bins: &Bins, cfg: &DemoCfg, out: &Path) -> anyhow::Result<PathBuf> {
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     println!(
-        "demo: {} engines ({}; {} KV blocks each), {} chat users over {} shared system prompts, {:.0} s per policy",
+        "demo: {} engines ({}; {} KV blocks each), {} chat users over {} shared system prompts, thinking {} s between turns (scaled), {:.0} s per policy",
         cfg.drive.engines,
         cfg.timing.describe(),
         cfg.kv_blocks,
         cfg.drive.users,
         cfg.system_prompts,
+        cfg.think_s,
         cfg.drive.duration_s
     );
+    if venv.is_some() && !cfg.peers.is_empty() {
+        let names: Vec<&str> = cfg.peers.iter().map(|p| p.name()).collect();
+        println!(
+            "demo: peer routers beside the policies: {}",
+            names.join(", ")
+        );
+    }
     let mut runs: Vec<PolicyRun> = Vec::new();
-    for (i, policy) in cfg.policies.iter().enumerate() {
+    for (i, front) in fronts.iter().enumerate() {
+        let policy = front.name();
         pb.set_message(format!("{policy}: running"));
         let base = (i as f64 * cfg.drive.duration_s * 10.0) as u64;
         let done = Arc::new(AtomicBool::new(false));
@@ -110,7 +149,7 @@ pub fn run(bins: &Bins, cfg: &DemoCfg, out: &Path) -> anyhow::Result<PathBuf> {
                 }
             })
         };
-        let r = quality::policy_run(bins, &scenario, policy, &args, &cfg.drive);
+        let r = quality::run_one(bins, &row, *front, &cfg.timing);
         done.store(true, Ordering::Relaxed);
         let _ = ticker.join();
         let r = r?;
@@ -216,7 +255,11 @@ pub fn table(r: &DemoResults) -> Table {
             format!("{:.1}", s.throughput_rps),
             format!("{:.0}", s.output_tokens_per_s),
             format!("{:.2}", s.load_max_mean_ratio),
-            format!("{:.1} / {:.0}", p.routing.mean_us, p.routing.p99_le_us),
+            if Peer::from_name(&p.policy).is_some() {
+                "-".into()
+            } else {
+                format!("{:.1} / {:.0}", p.routing.mean_us, p.routing.p99_le_us)
+            },
         ]);
     }
     t
@@ -236,8 +279,9 @@ fn markdown(r: &DemoResults, table: &Table) -> String {
     );
     let _ = writeln!(
         m,
-        "Workload: multi-turn support chat, {} closed-loop users, {} shared system prompts of {} tokens, user turns of {} tokens, {}-{} turns per conversation each resending the whole history, {} output tokens per turn, streaming; {:.0} s per policy, seed {}. The ceiling is the hit rate one engine with an unbounded cache would reach on the same trace.\n",
+        "Workload: multi-turn support chat, {} closed-loop users thinking {} s (simulated, exponential mean) between turns, {} shared system prompts of {} tokens, user turns of {} tokens, {}-{} turns per conversation each resending the whole history, {} output tokens per turn, streaming; {:.0} s per policy, seed {}. The ceiling is the hit rate one engine with an unbounded cache would reach on the same trace.\n",
         c.drive.users,
+        c.think_s,
         c.system_prompts,
         sc.prefix_tokens,
         sc.user_tokens,
@@ -248,6 +292,9 @@ fn markdown(r: &DemoResults, table: &Table) -> String {
         c.drive.seed
     );
     let _ = writeln!(m, "{}", table.markdown());
+    if !c.peers.is_empty() {
+        let _ = writeln!(m, "{}\n", crate::quality_report::PEERS_NOTE);
+    }
     let _ = writeln!(
         m,
         "Routing us: the router's own time from request read to routing decision (`prefix_router_routing_seconds`); p99 is the upper bound of its histogram bucket.\n"

@@ -14,13 +14,18 @@
 //! - [`nginx`]: the baseline proxy's config;
 //! - [`body`]: request bodies of a given size;
 //! - [`overhead`], [`quality`], [`demo`]: the three measurements;
+//! - [`scenarios`]: the quality bench's rows (named production-shaped
+//!   scenarios, and the lock-step shapes of the first benches);
+//! - [`peers`]: sglang-router, vllm-router and smg in their own virtualenv,
+//!   run inside a network namespace with only loopback;
 //! - [`micro`]: criterion's figures read back from its output folder;
-//! - [`report`], [`charts`]: Markdown, JSON, SVG, and the comparison with a
-//!   previous run.
+//! - [`report`], [`quality_report`], [`charts`]: Markdown, JSON, SVG, and
+//!   the comparison with a previous run.
 //!
 //! Invariants: every child process is registered in [`fleet`] and killed on
 //! drop, on panic and on SIGINT/SIGTERM; every loop is bounded in time; all
-//! traffic goes to 127.0.0.1.
+//! traffic goes to 127.0.0.1; the peer routers only ever run inside a
+//! network namespace that has nothing but loopback.
 
 pub mod body;
 pub mod charts;
@@ -31,5 +36,8 @@ pub mod loadgen;
 pub mod micro;
 pub mod nginx;
 pub mod overhead;
+pub mod peers;
 pub mod quality;
+pub mod quality_report;
 pub mod report;
+pub mod scenarios;

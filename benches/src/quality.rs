@@ -1,12 +1,15 @@
-//! Routing quality: workload scenarios under routing policies, each run on a
-//! freshly started fleet of engines with a GPU-like timing model and caches
-//! too small to hold everything.
+//! Routing quality: the rows of [`crate::scenarios`] under prefix-router's
+//! policies and the peer routers, each run on a freshly started fleet of
+//! engines with a GPU-like timing model and caches too small to hold
+//! everything, with the same traffic (same seed) for every router.
 
-use crate::fleet::{self, Bins, Router};
+use crate::fleet::{self, Bins, Engine, Router};
+use crate::peers::{Peer, PeerRouter, Venv};
+pub use crate::scenarios::{Drive, QualityScenario, kv_blocks_for, scenario_for};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::time::Duration;
-use testkit::workload::{Record, RunConfig, Scenario, ScenarioKind, Summary};
+use testkit::workload::{Record, RunConfig, Summary};
 
 /// The GPU-like timing model: what `sim-engine` runs at `time_scale` 1.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -37,8 +40,10 @@ impl Default for Timing {
 }
 
 impl Timing {
-    pub fn engine_args(&self, kv_blocks: usize) -> Vec<String> {
-        [
+    /// `sim-engine` flags for this timing, `kv_blocks` per engine, and
+    /// `--hide-capacity` when the router must not be told it.
+    pub fn engine_args(&self, kv_blocks: usize, hide_capacity: bool) -> Vec<String> {
+        let mut v: Vec<String> = [
             ("--prefill-tps", self.prefill_tps),
             ("--decode-step-ms", self.decode_step_ms),
             ("--decode-step-per-seq-ms", self.decode_step_per_seq_ms),
@@ -47,7 +52,11 @@ impl Timing {
         ]
         .iter()
         .flat_map(|(k, v)| [k.to_string(), v.to_string()])
-        .collect()
+        .collect();
+        if hide_capacity {
+            v.push("--hide-capacity".into());
+        }
+        v
     }
 
     pub fn describe(&self) -> String {
@@ -60,50 +69,6 @@ impl Timing {
             1.0 / self.time_scale
         )
     }
-}
-
-/// The workload of each scenario. Chat is shaped like a support chatbot:
-/// 4 shared system prompts of 500 tokens, users' turns of ~200 tokens (a
-/// question with an order number, a pasted error), answers of 150 tokens,
-/// 6-14 turns, the whole history resent each turn.
-pub fn scenario_for(kind: ScenarioKind) -> Scenario {
-    match kind {
-        ScenarioKind::Chat => Scenario {
-            prefixes: 4,
-            user_tokens: 200,
-            max_tokens: 150,
-            turns: (6, 14),
-            ..Scenario::new(kind)
-        },
-        _ => Scenario::new(kind),
-    }
-}
-
-/// Per-engine KV capacity (16-token blocks) of each scenario: less than the
-/// scenario's working set over the fleet, more than one session needs.
-pub fn kv_blocks_for(kind: ScenarioKind) -> usize {
-    match kind {
-        // 4 system prompts of 32 blocks; conversations grow to ~300 blocks:
-        // an engine holds its share of 24 conversations, not all of them.
-        ScenarioKind::Chat => 1536,
-        // 4 templates of ~94 blocks: one engine holds two or three.
-        ScenarioKind::FewShot => 256,
-        // 16 prompts of ~63 blocks: ~1000 blocks in all.
-        ScenarioKind::HotPrefix => 384,
-        // 4 documents of 600-1250 blocks.
-        ScenarioKind::LongDoc => 2048,
-        // 2 tool sets of ~94 blocks; loops grow to ~450 blocks.
-        ScenarioKind::Agent => 1024,
-    }
-}
-
-/// One workload through one policy on a fresh fleet.
-#[derive(Clone, Debug)]
-pub struct PolicyRun {
-    pub policy: String,
-    pub summary: Summary,
-    pub records: Vec<Record>,
-    pub routing: RoutingTime,
 }
 
 /// `prefix_router_routing_seconds`: time from request read to decision.
@@ -159,71 +124,221 @@ impl RoutingTime {
     }
 }
 
-/// How a scenario is driven.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Drive {
-    pub engines: usize,
-    pub users: usize,
-    pub duration_s: f64,
-    pub seed: u64,
+/// Who routes a run: one of prefix-router's policies or a peer router.
+#[derive(Clone, Copy, Debug)]
+pub enum Front<'a> {
+    Policy(&'a str),
+    Peer(&'a Venv, Peer),
 }
 
-/// Starts `drive.engines` engines and the router with `policy`, runs the
-/// workload for the drive's duration, stops everything.
-pub fn policy_run(
+impl Front<'_> {
+    /// The name in tables: the policy, or the peer's package name.
+    pub fn name(&self) -> String {
+        match self {
+            Front::Policy(p) => p.to_string(),
+            Front::Peer(_, peer) => peer.name().to_string(),
+        }
+    }
+}
+
+/// One row under one router on a fresh fleet.
+#[derive(Clone, Debug)]
+pub struct PolicyRun {
+    /// The policy or peer router.
+    pub policy: String,
+    pub summary: Summary,
+    pub records: Vec<Record>,
+    /// prefix-router's routing time (zero for the peers).
+    pub routing: RoutingTime,
+    /// Inference requests each engine completed during the workload.
+    pub per_engine: Vec<u64>,
+}
+
+impl PolicyRun {
+    /// Busiest engine's requests over the mean, counted by the engines
+    /// themselves (a router's own readiness probes excluded).
+    pub fn load_max_mean(&self) -> f64 {
+        max_over_mean(&self.per_engine)
+    }
+}
+
+/// The largest count over the mean (1.0 = perfectly even; 0 when empty).
+pub fn max_over_mean(counts: &[u64]) -> f64 {
+    let total: u64 = counts.iter().sum();
+    let max = counts.iter().copied().max().unwrap_or(0);
+    if total == 0 {
+        return 0.0;
+    }
+    max as f64 / (total as f64 / counts.len() as f64)
+}
+
+/// `vllm:request_success_total` of an engine (0 when unreadable).
+fn engine_requests(e: &Engine) -> u64 {
+    let Ok(r) = testkit::http::request(e.addr, "GET", "/metrics", &[], b"") else {
+        return 0;
+    };
+    String::from_utf8_lossy(&r.body)
+        .lines()
+        .filter(|l| l.starts_with("vllm:request_success_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// The served model of an engine (`GET /v1/models`), asked of the engine
+/// itself: not every peer router answers `/v1/models`.
+fn engine_model(e: &Engine) -> anyhow::Result<String> {
+    let r = testkit::http::request(e.addr, "GET", "/v1/models", &[], b"")?;
+    let v: serde_json::Value = serde_json::from_slice(&r.body)?;
+    Ok(v["data"][0]["id"]
+        .as_str()
+        .unwrap_or("sim-llama-8b")
+        .to_string())
+}
+
+/// A running router of either kind; stops (and is reaped) on drop.
+enum Running {
+    Ours(Router),
+    Peer(PeerRouter),
+}
+
+impl Running {
+    fn url(&self) -> String {
+        match self {
+            Running::Ours(r) => r.url(),
+            Running::Peer(p) => p.url(),
+        }
+    }
+}
+
+/// Starts `qs.drive.engines` engines and `front` in front of them, runs
+/// the row's workload for its duration (streaming, TTFT = first content
+/// event), stops everything.
+pub fn run_one(
     bins: &Bins,
-    scenario: &Scenario,
-    policy: &str,
-    engine_args: &[String],
-    drive: &Drive,
+    qs: &QualityScenario,
+    front: Front<'_>,
+    timing: &Timing,
 ) -> anyhow::Result<PolicyRun> {
     anyhow::ensure!(!fleet::interrupted(), "interrupted");
-    let engines = fleet::start_engines(bins, drive.engines, engine_args)?;
-    let router = Router::start(bins, &engines, policy, &[])?;
-    let mut cfg = RunConfig::new(router.url(), scenario.clone());
-    cfg.users = drive.users;
+    let args = timing.engine_args(qs.kv_blocks, qs.hide_capacity);
+    let engines = fleet::start_engines(bins, qs.drive.engines, &args)?;
+    let model = engine_model(&engines[0])?;
+    let router = match front {
+        Front::Policy(p) => Running::Ours(Router::start(bins, &engines, p, &[])?),
+        Front::Peer(venv, peer) => Running::Peer(PeerRouter::start(venv, peer, &engines, &model)?),
+    };
+    let before: Vec<u64> = engines.iter().map(engine_requests).collect();
+    let mut cfg = RunConfig::new(router.url(), qs.scaled(timing.time_scale));
+    cfg.users = qs.drive.users;
+    cfg.rate = qs.rate(timing.time_scale);
     cfg.requests = None;
-    cfg.duration = Some(Duration::from_secs_f64(drive.duration_s));
-    cfg.seed = drive.seed;
+    cfg.duration = Some(Duration::from_secs_f64(qs.drive.duration_s));
+    cfg.seed = qs.drive.seed;
+    cfg.model = Some(model);
     cfg.request_timeout = Duration::from_secs(60);
-    let (records, summary) = testkit::workload::run_blocking(cfg)?;
-    let routing = RoutingTime::parse(&router.metrics().unwrap_or_default());
+    let (records, mut summary) = testkit::workload::run_blocking(cfg)?;
+    summary.scenario = qs.name.clone();
+    let per_engine: Vec<u64> = engines
+        .iter()
+        .zip(&before)
+        .map(|(e, b)| engine_requests(e).saturating_sub(*b))
+        .collect();
+    // The engines' own counts: the same for every router, whatever
+    // response headers it passes on.
+    summary.load_max_mean_ratio = max_over_mean(&per_engine);
+    let routing = match &router {
+        Running::Ours(r) => RoutingTime::parse(&r.metrics().unwrap_or_default()),
+        Running::Peer(_) => RoutingTime::default(),
+    };
     drop(router);
     drop(engines);
     Ok(PolicyRun {
-        policy: policy.to_string(),
+        policy: front.name(),
         summary,
         records,
         routing,
+        per_engine,
     })
 }
 
-/// A policy's figures on one scenario.
+fn one() -> usize {
+    1
+}
+
+/// A router's figures on one row.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct QualityRow {
     pub scenario: String,
     pub policy: String,
+    /// Whether `policy` is a peer router rather than one of ours.
+    #[serde(default)]
+    pub peer: bool,
     pub kv_blocks: usize,
+    #[serde(default)]
+    pub engines: usize,
+    #[serde(default)]
+    pub hide_capacity: bool,
+    #[serde(default)]
+    pub think_s: f64,
+    /// Runs the figures are medians of (`--repeats`); requests and errors
+    /// are their sums.
+    #[serde(default = "one")]
+    pub runs: usize,
     pub requests: u64,
     pub errors: u64,
+    /// Cached over prompt tokens, over all successful requests.
     pub hit_rate: f64,
     pub ceiling: f64,
     pub ttft_p50_ms: f64,
     pub ttft_p90_ms: f64,
     pub ttft_p99_ms: f64,
     pub latency_p50_ms: f64,
+    #[serde(default)]
+    pub latency_p99_ms: f64,
     pub rps: f64,
+    /// Busiest engine's requests over the mean, as the engines counted them.
     pub load_max_mean: f64,
     pub routing: RoutingTime,
 }
 
 impl QualityRow {
-    pub fn of(run: &PolicyRun, kv_blocks: usize) -> QualityRow {
+    /// One row of figures from repeated runs of the same router on the same
+    /// row: each figure is the median over the runs (taken separately, so
+    /// the p99 is the median p99); requests and errors are summed.
+    pub fn median(runs: &[QualityRow]) -> QualityRow {
+        let mut r = runs[0].clone();
+        if runs.len() == 1 {
+            return r;
+        }
+        let m = |f: fn(&QualityRow) -> f64| median(runs.iter().map(f).collect());
+        r.runs = runs.iter().map(|x| x.runs).sum();
+        r.requests = runs.iter().map(|x| x.requests).sum();
+        r.errors = runs.iter().map(|x| x.errors).sum();
+        r.hit_rate = m(|x| x.hit_rate);
+        r.ceiling = m(|x| x.ceiling);
+        r.ttft_p50_ms = m(|x| x.ttft_p50_ms);
+        r.ttft_p90_ms = m(|x| x.ttft_p90_ms);
+        r.ttft_p99_ms = m(|x| x.ttft_p99_ms);
+        r.latency_p50_ms = m(|x| x.latency_p50_ms);
+        r.latency_p99_ms = m(|x| x.latency_p99_ms);
+        r.rps = m(|x| x.rps);
+        r.load_max_mean = m(|x| x.load_max_mean);
+        r.routing.mean_us = m(|x| x.routing.mean_us);
+        r.routing.p99_le_us = m(|x| x.routing.p99_le_us);
+        r
+    }
+
+    pub fn of(run: &PolicyRun, qs: &QualityScenario) -> QualityRow {
         let s = &run.summary;
         QualityRow {
-            scenario: s.scenario.clone(),
+            scenario: qs.name.clone(),
             policy: run.policy.clone(),
-            kv_blocks,
+            peer: Peer::from_name(&run.policy).is_some(),
+            kv_blocks: qs.kv_blocks,
+            engines: qs.drive.engines,
+            hide_capacity: qs.hide_capacity,
+            think_s: qs.think_s,
+            runs: 1,
             requests: s.ok,
             errors: s.errors,
             hit_rate: s.hit_rate,
@@ -232,8 +347,9 @@ impl QualityRow {
             ttft_p90_ms: s.ttft_ms.p90,
             ttft_p99_ms: s.ttft_ms.p99,
             latency_p50_ms: s.latency_ms.p50,
+            latency_p99_ms: s.latency_ms.p99,
             rps: s.throughput_rps,
-            load_max_mean: s.load_max_mean_ratio,
+            load_max_mean: run.load_max_mean(),
             routing: run.routing,
         }
     }
@@ -241,96 +357,135 @@ impl QualityRow {
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct QualityCfg {
-    pub scenarios: Vec<ScenarioKind>,
-    pub policies: Vec<String>,
-    pub drive: Drive,
-    /// How the chat scenario is driven (the targets are judged on it).
-    pub chat_drive: Drive,
+    pub scenarios: Vec<QualityScenario>,
+    /// Overrides every row's own policies when set (`--policies`).
+    #[serde(default)]
+    pub policies: Option<Vec<String>>,
+    /// The peer routers that ran (filled when their virtualenv is there).
+    #[serde(default)]
+    pub peers: Vec<Peer>,
+    /// Runs of each router on each row; the figures are medians.
+    #[serde(default = "one")]
+    pub repeats: usize,
     pub timing: Timing,
 }
 
 impl QualityCfg {
+    /// The named rows, then the lock-step ones.
     pub fn full() -> Self {
         QualityCfg {
-            scenarios: vec![
-                ScenarioKind::Chat,
-                ScenarioKind::FewShot,
-                ScenarioKind::HotPrefix,
-                ScenarioKind::LongDoc,
-                ScenarioKind::Agent,
-            ],
-            policies: [
-                "prefix",
-                "round-robin",
-                "least-request",
-                "random",
-                "power-of-two",
-                "session",
-            ]
-            .map(String::from)
-            .to_vec(),
-            drive: Drive {
-                engines: 4,
-                users: 16,
-                duration_s: 6.0,
-                seed: 1,
-            },
-            chat_drive: Drive {
-                engines: 4,
-                users: 24,
-                duration_s: 24.0,
-                seed: 1,
-            },
+            scenarios: crate::scenarios::all(),
+            policies: None,
+            peers: Vec::new(),
+            repeats: 1,
             timing: Timing::default(),
         }
     }
 
+    /// One small chat row, prefix against round-robin: the smoke test.
     pub fn quick() -> Self {
+        let mut chat = crate::scenarios::lockstep(testkit::workload::ScenarioKind::Chat);
+        chat.drive = Drive {
+            engines: 2,
+            users: 4,
+            duration_s: 1.5,
+            seed: 1,
+            arrivals_per_s: None,
+        };
+        chat.policies = ["prefix", "round-robin"].map(String::from).to_vec();
         QualityCfg {
-            scenarios: vec![ScenarioKind::Chat],
-            policies: ["prefix", "round-robin"].map(String::from).to_vec(),
-            drive: Drive {
-                engines: 2,
-                users: 4,
-                duration_s: 1.5,
-                seed: 1,
-            },
-            chat_drive: Drive {
-                engines: 2,
-                users: 4,
-                duration_s: 1.5,
-                seed: 1,
-            },
+            scenarios: vec![chat],
             ..Self::full()
         }
     }
+
+    /// Keeps only the rows named in `names` (all when empty); errors on an
+    /// unknown name, listing the known ones.
+    pub fn select(&mut self, names: &[String]) -> anyhow::Result<()> {
+        if names.is_empty() {
+            return Ok(());
+        }
+        let known: Vec<String> = crate::scenarios::all()
+            .into_iter()
+            .map(|s| s.name)
+            .collect();
+        for n in names {
+            anyhow::ensure!(
+                known.contains(n),
+                "unknown scenario {n:?}; known: {}",
+                known.join(", ")
+            );
+        }
+        let mut picked: Vec<QualityScenario> = crate::scenarios::all()
+            .into_iter()
+            .filter(|s| names.contains(&s.name))
+            .collect();
+        picked.sort_by_key(|s| names.iter().position(|n| *n == s.name));
+        self.scenarios = picked;
+        Ok(())
+    }
+
+    /// prefix-router's policies on row `qs`.
+    pub fn policies_for<'a>(&'a self, qs: &'a QualityScenario) -> &'a [String] {
+        self.policies.as_deref().unwrap_or(&qs.policies)
+    }
+
+    /// Runs in all: every row under its policies and every peer, repeated.
+    pub fn runs(&self) -> usize {
+        self.repeats.max(1)
+            * self
+                .scenarios
+                .iter()
+                .map(|s| self.policies_for(s).len() + self.peers.len())
+                .sum::<usize>()
+    }
 }
 
-/// Runs every scenario under every policy. `tick` is called before each run.
+/// Runs every row under its policies, then under each peer in `venv`.
+/// `tick` is called before each run.
 pub fn run(
     bins: &Bins,
     cfg: &QualityCfg,
+    venv: Option<&Venv>,
     tick: &mut dyn FnMut(&str),
 ) -> anyhow::Result<Vec<QualityRow>> {
     let mut rows = Vec::new();
-    for &kind in &cfg.scenarios {
-        let scenario = scenario_for(kind);
-        let kv = kv_blocks_for(kind);
-        let args = cfg.timing.engine_args(kv);
-        // Chat is judged at steady state: long enough for conversations to
-        // reach their later turns, where history dominates the prompt.
-        let drive = if kind == ScenarioKind::Chat {
-            &cfg.chat_drive
-        } else {
-            &cfg.drive
-        };
-        for policy in &cfg.policies {
-            tick(&format!("{} / {policy}", kind.name()));
-            let run = policy_run(bins, &scenario, policy, &args, drive)?;
-            rows.push(QualityRow::of(&run, kv));
+    for qs in &cfg.scenarios {
+        let mut fronts: Vec<Front<'_>> = cfg
+            .policies_for(qs)
+            .iter()
+            .map(|p| Front::Policy(p))
+            .collect();
+        if let Some(v) = venv {
+            fronts.extend(cfg.peers.iter().map(|&p| Front::Peer(v, p)));
         }
+        // Rounds over all routers, so a noisy minute of the machine is
+        // spread over every router rather than landing on one.
+        let mut runs: Vec<Vec<QualityRow>> = vec![Vec::new(); fronts.len()];
+        for round in 0..cfg.repeats.max(1) {
+            for (i, front) in fronts.iter().enumerate() {
+                tick(&format!(
+                    "{} / {} (round {})",
+                    qs.name,
+                    front.name(),
+                    round + 1
+                ));
+                let run = run_one(bins, qs, *front, &cfg.timing)?;
+                runs[i].push(QualityRow::of(&run, qs));
+            }
+        }
+        rows.extend(runs.iter().map(|r| QualityRow::median(r)));
     }
     Ok(rows)
+}
+
+/// The median of `v` (the upper one of an even count; 0 when empty).
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// Requests in flight on each engine over time, sampled every `step_s`.
@@ -349,4 +504,62 @@ pub fn load_over_time(records: &[Record], step_s: f64) -> BTreeMap<String, Vec<(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn select_keeps_the_named_rows_in_the_asked_order() {
+        let mut q = QualityCfg::full();
+        let names = ["hot-prompt".to_string(), "pressure-unpublished".into()];
+        q.select(&names).unwrap();
+        let got: Vec<&str> = q.scenarios.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(got, ["hot-prompt", "pressure-unpublished"]);
+        q.peers = Peer::ALL.to_vec();
+        assert_eq!(q.runs(), 2 * (3 + 3), "3 policies + 3 peers per row");
+        q.policies = Some(vec!["prefix".into()]);
+        assert_eq!(q.runs(), 2 * (1 + 3));
+        let err = QualityCfg::full()
+            .select(&["pressure".to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("pressure-published"), "{err}");
+    }
+
+    #[test]
+    fn repeated_runs_give_medians_figure_by_figure() {
+        let qs = crate::scenarios::named_scenarios().remove(0);
+        let run = |hit: f64, p99: f64| PolicyRun {
+            policy: "prefix".into(),
+            summary: Summary {
+                ok: 10,
+                hit_rate: hit,
+                ttft_ms: testkit::workload::Percentiles {
+                    p99,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            records: Vec::new(),
+            routing: RoutingTime::default(),
+            per_engine: vec![5, 5],
+        };
+        let rows: Vec<QualityRow> = [(0.7, 900.0), (0.5, 300.0), (0.6, 100.0)]
+            .iter()
+            .map(|&(h, p)| QualityRow::of(&run(h, p), &qs))
+            .collect();
+        let m = QualityRow::median(&rows);
+        assert_eq!((m.hit_rate, m.ttft_p99_ms), (0.6, 300.0));
+        assert_eq!((m.runs, m.requests), (3, 30));
+        assert_eq!(m.load_max_mean, 1.0);
+    }
+
+    #[test]
+    fn load_is_busiest_over_mean() {
+        assert_eq!(max_over_mean(&[10, 10, 10]), 1.0);
+        assert_eq!(max_over_mean(&[30, 0, 0]), 3.0);
+        assert_eq!(max_over_mean(&[]), 0.0);
+    }
 }

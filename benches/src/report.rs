@@ -12,6 +12,17 @@ use std::path::{Path, PathBuf};
 /// A change worse than this share of the previous value is a regression.
 const REGRESSION: f64 = 0.10;
 
+/// Reads a field that may hold an older shape as `None` (so an old results
+/// file still compares on what it shares).
+fn lenient<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: serde::de::DeserializeOwned,
+{
+    let v = serde_json::Value::deserialize(d)?;
+    Ok(serde_json::from_value(v).ok())
+}
+
 pub fn pct(x: f64) -> String {
     format!("{:.1}%", x * 100.0)
 }
@@ -126,6 +137,7 @@ pub struct BenchResults {
     pub command: String,
     pub micro: Vec<MicroRow>,
     pub overhead: Option<OverheadResults>,
+    #[serde(default, deserialize_with = "lenient")]
     pub quality: Option<crate::quality::QualityCfg>,
     pub quality_rows: Vec<QualityRow>,
     pub checks: Vec<Check>,
@@ -245,6 +257,7 @@ impl BenchResults {
                 format!("{:+.2}", p.load_max_mean - 1.3),
             );
         }
+        self.check_issue9(&mut c);
         self.checks = c;
     }
 
@@ -447,48 +460,9 @@ pub fn markdown(r: &BenchResults, comparison: Option<&str>) -> String {
         let _ = writeln!(m, "## Routing quality\n");
         let _ = writeln!(
             m,
-            "Each scenario under each policy on {} freshly started engines ({}), KV capacity per engine below (smaller than the scenario's working set), {} closed-loop users, {:.0} s per run, seed {}.\n",
-            q.drive.engines,
-            q.timing.describe(),
-            q.drive.users,
-            q.drive.duration_s,
-            q.drive.seed
+            "{}",
+            crate::quality_report::quality_markdown(q, &r.quality_rows)
         );
-        let mut t = Table::new(&[
-            "scenario",
-            "policy",
-            "KV blocks",
-            "requests",
-            "hit rate",
-            "ceiling",
-            "of ceiling",
-            "TTFT p50 ms",
-            "p90",
-            "p99",
-            "latency p50 ms",
-            "req/s",
-            "max/mean load",
-            "routing us",
-        ]);
-        for x in &r.quality_rows {
-            t.row(vec![
-                x.scenario.clone(),
-                x.policy.clone(),
-                x.kv_blocks.to_string(),
-                format!("{} ({} err)", x.requests, x.errors),
-                pct(x.hit_rate),
-                pct(x.ceiling),
-                pct(x.hit_rate / x.ceiling.max(1e-9)),
-                format!("{:.1}", x.ttft_p50_ms),
-                format!("{:.1}", x.ttft_p90_ms),
-                format!("{:.1}", x.ttft_p99_ms),
-                format!("{:.1}", x.latency_p50_ms),
-                format!("{:.1}", x.rps),
-                format!("{:.2}", x.load_max_mean),
-                format!("{:.1}", x.routing.mean_us),
-            ]);
-        }
-        let _ = writeln!(m, "{}", t.markdown());
     }
     if let Some(c) = comparison {
         let _ = writeln!(m, "## Comparison with the previous run\n\n{c}");

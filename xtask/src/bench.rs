@@ -2,7 +2,10 @@
 //! then router overhead against direct and nginx and routing quality, all
 //! into one results folder (`results/bench-<unix time>/`: `report.md` and
 //! `results.json`), compared with the previous one. The logic is in
-//! `benches/src/`.
+//! `benches/src/`. The peer routers (sglang-router, vllm-router, smg) run
+//! beside prefix-router's policies: installed into `target/peers-venv` on
+//! the first run (pip, from PyPI), the quality runs inside a network
+//! namespace with only loopback (root); `--no-peers` leaves them out.
 
 use crate::harness;
 
@@ -17,6 +20,10 @@ pub struct Args {
     /// Skip `cargo xtask setup`.
     #[arg(long)]
     no_setup: bool,
+    /// Leave the peer routers out (they are installed and run otherwise,
+    /// or skipped with a note when that is impossible).
+    #[arg(long)]
+    no_peers: bool,
     /// More `prefix-bench bench` flags (see `prefix-bench bench --help`),
     /// e.g. `-- --nginx require --baseline results/bench-1/results.json`.
     #[arg(last = true)]
@@ -43,6 +50,11 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     }
     if a.quick {
         args.push("--quick".into());
+    }
+    if a.no_peers {
+        command.push_str(" --no-peers");
+    } else {
+        args.push("--peers=auto".into());
     }
     if !a.rest.is_empty() {
         command.push_str(" -- ");

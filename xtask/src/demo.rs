@@ -2,6 +2,9 @@
 //! simulated engines behind prefix-router, the chat workload replayed through
 //! prefix, round-robin and least-request). About two minutes by default;
 //! `--long` for a longer, steadier run. The logic is in `benches/src/demo.rs`.
+//! The peer routers (sglang-router, vllm-router, smg) are shown beside the
+//! policies when they are installed in `target/peers-venv` (by `cargo xtask
+//! bench`, or `--peers` here); a fresh clone runs without them.
 
 use crate::harness;
 
@@ -19,6 +22,10 @@ pub struct Args {
     /// Skip `cargo xtask setup`.
     #[arg(long)]
     no_setup: bool,
+    /// Install the peer routers when missing (pip, from PyPI) and run them
+    /// beside the policies (root: they run in a network namespace).
+    #[arg(long)]
+    peers: bool,
     /// More `prefix-bench demo` flags (see `prefix-bench demo --help`).
     #[arg(last = true)]
     rest: Vec<String>,
@@ -37,6 +44,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
         "--duration".into(),
         duration.to_string(),
     ];
+    if a.peers {
+        args.push("--peers=require".into());
+    }
     args.extend(a.rest);
     harness::prefix_bench(&bins, &args)
 }

@@ -4,7 +4,9 @@
 //! - `bpf-linker` 0.13.0 built against LLVM 22, nightly's LLVM (Debian's
 //!   `llvm-22-dev`, or a symlink to nightly's own `libLLVM` when apt lacks it);
 //! - Debian packages: `iproute2` (`ip`, for the namespace tests), `nginx` and
-//!   `wrk` (baselines for the benchmark), in one apt call.
+//!   `wrk` (baselines for the benchmark), and `python3-venv` when python3
+//!   cannot make a virtualenv (the bench installs the peer routers into
+//!   one), in one apt call.
 //!
 //! Idempotent: when everything is present it only runs a few `--version` probes.
 
@@ -32,6 +34,9 @@ pub fn run() -> anyhow::Result<()> {
         .filter(|(bin, _)| find_in_path(bin).is_none())
         .map(|(_, pkg)| pkg)
         .collect();
+    if !python_venv_ok() {
+        wanted.push("python3-venv");
+    }
     let llvm_headers = llvm_prefix.join("lib/libLLVM.so");
     if need_linker && !llvm_headers.exists() {
         wanted.push(&llvm_pkg);
@@ -205,6 +210,17 @@ fn install_bpf_linker(llvm_prefix: &Path) -> anyhow::Result<()> {
         bail!("bpf-linker installed but `bpf-linker --version` fails: is ~/.cargo/bin on PATH?");
     }
     Ok(())
+}
+
+/// True when `python3` can make a virtualenv with pip (the peer routers'
+/// install needs `venv` and `ensurepip`, which Debian ships apart).
+fn python_venv_ok() -> bool {
+    Command::new("python3")
+        .args(["-c", "import venv, ensurepip"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 /// Looks a program up in `PATH`, plus the sbin folders a non-login root shell may miss.

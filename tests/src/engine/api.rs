@@ -156,6 +156,112 @@ fn max_tokens(v: Option<i64>, default: u32) -> Result<u32, ApiError> {
     }
 }
 
+/// The served model a request names (the first when it names none), or 404.
+fn model_index(name: Option<&str>, models: &[String]) -> Result<usize, ApiError> {
+    match name {
+        None => Ok(0),
+        Some(m) => models.iter().position(|x| x == m).ok_or_else(|| ApiError {
+            status: 404,
+            kind: "NotFoundError",
+            message: format!("The model `{m}` does not exist."),
+            param: Some("model"),
+        }),
+    }
+}
+
+/// The prompt tokens of a chat: the messages rendered with the chat
+/// template, then (when asked) the generation prompt. The chat endpoint,
+/// `/tokenize` and `/v1/chat/completions/render` all go through here, so
+/// they always agree.
+fn chat_tokens(msgs: &[Message<'_>], add_generation_prompt: bool) -> Vec<Token> {
+    let mut text = String::new();
+    for m in msgs {
+        let content: Cow<'_, str> = match &m.content {
+            None => Cow::Borrowed(""),
+            Some(Content::Text(s)) => Cow::Borrowed(s),
+            Some(Content::Parts(parts)) => Cow::Owned(
+                parts
+                    .iter()
+                    .filter_map(|p| p.text.as_deref())
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+            ),
+        };
+        tokenize::render_message(&mut text, &m.role, &content);
+    }
+    if add_generation_prompt {
+        text.push_str(tokenize::GENERATION_PROMPT);
+    }
+    tokenize::tokenize(&text)
+}
+
+#[derive(Deserialize)]
+struct TokenizeRequest<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    prompt: Option<Prompt<'a>>,
+    #[serde(borrow, default)]
+    messages: Option<Vec<Message<'a>>>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+}
+
+/// vLLM's `POST /tokenize`: `{"prompt": ...}` or `{"messages": [...],
+/// "add_generation_prompt": true}` (the default) → `(model, tokens)`.
+pub fn parse_tokenize(body: &[u8], models: &[String]) -> Result<(usize, Vec<Token>), ApiError> {
+    let r: TokenizeRequest = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("Invalid request body: {e}")))?;
+    let model = model_index(r.model.as_deref(), models)?;
+    let tokens = match (r.messages, r.prompt) {
+        (Some(msgs), _) => chat_tokens(&msgs, r.add_generation_prompt.unwrap_or(true)),
+        (None, Some(p)) => prompt_tokens(p)?,
+        (None, None) => {
+            return Err(ApiError::bad_request(
+                "Either prompt or messages should be provided.",
+            ));
+        }
+    };
+    Ok((model, tokens))
+}
+
+/// The body of vLLM's `/tokenize` answer.
+pub fn tokenize_body(tokens: &[Token], max_model_len: usize) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "count": tokens.len(), "max_model_len": max_model_len, "tokens": tokens, "token_strs": null,
+    }))
+    .unwrap_or_default()
+}
+
+/// The body of vLLM's render answer for a parsed request: the prompt's
+/// token ids as the engine would run them (`/v1/chat/completions/render`
+/// answers one object, `/v1/completions/render` a list of one).
+pub fn render_body(job: &Job, id: u64, model_json: &str) -> Vec<u8> {
+    let prefix = if job.kind == ApiKind::Chat {
+        "chatcmpl"
+    } else {
+        "cmpl"
+    };
+    let mut o = Vec::with_capacity(job.tokens.len() * 8 + 256);
+    if job.kind != ApiKind::Chat {
+        o.push(b'[');
+    }
+    let _ = write!(
+        o,
+        r#"{{"request_id":"{prefix}-render-{id:016x}","model":{model_json},"token_ids":"#
+    );
+    let _ = serde_json::to_writer(&mut o, &job.tokens);
+    let _ = write!(
+        o,
+        r#","features":null,"sampling_params":{{"max_tokens":{}}},"stream":false}}"#,
+        job.max_tokens
+    );
+    if job.kind != ApiKind::Chat {
+        o.push(b']');
+    }
+    o
+}
+
 /// Parses a request body for endpoint `kind`.
 pub fn parse(
     kind: ApiKind,
@@ -190,36 +296,12 @@ pub fn parse(
         });
     }
     let r: OpenAiRequest = serde_json::from_slice(body).map_err(invalid)?;
-    let model = match &r.model {
-        None => 0,
-        Some(m) => models.iter().position(|x| x == m).ok_or_else(|| ApiError {
-            status: 404,
-            kind: "NotFoundError",
-            message: format!("The model `{m}` does not exist."),
-            param: Some("model"),
-        })?,
-    };
+    let model = model_index(r.model.as_deref(), models)?;
     let tokens = if kind == ApiKind::Chat {
         let msgs = r
             .messages
             .ok_or_else(|| ApiError::bad_request("Field required: messages"))?;
-        let mut text = String::new();
-        for m in &msgs {
-            let content: Cow<'_, str> = match &m.content {
-                None => Cow::Borrowed(""),
-                Some(Content::Text(s)) => Cow::Borrowed(s),
-                Some(Content::Parts(parts)) => Cow::Owned(
-                    parts
-                        .iter()
-                        .filter_map(|p| p.text.as_deref())
-                        .collect::<Vec<_>>()
-                        .join("\n"),
-                ),
-            };
-            tokenize::render_message(&mut text, &m.role, &content);
-        }
-        text.push_str(tokenize::GENERATION_PROMPT);
-        tokenize::tokenize(&text)
+        chat_tokens(&msgs, true)
     } else {
         prompt_tokens(
             r.prompt

@@ -33,6 +33,11 @@ pub struct EngineArgs {
     /// about what an 8B model leaves free on an 80 GB GPU).
     #[arg(long, default_value_t = 6400)]
     pub kv_blocks: usize,
+    /// Do not publish the KV capacity: leave `vllm:cache_config_info` out of
+    /// `/metrics`, as SGLang, llama.cpp and TensorRT-LLM do, so a router
+    /// must work with the capacity unknown.
+    #[arg(long)]
+    pub hide_capacity: bool,
     /// Prefill throughput in tokens per second, shared by all sequences
     /// prefilling in a step (0 = free).
     #[arg(long, default_value_t = 10_000.0)]

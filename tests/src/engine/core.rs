@@ -290,7 +290,7 @@ impl Engine {
             running: self.running.len(),
             waiting: self.waiting.len(),
             kv_usage: self.cache.used_blocks() as f64 / self.cache.num_blocks().max(1) as f64,
-            num_blocks: self.cache.num_blocks(),
+            num_blocks: Some(self.cache.num_blocks()),
         }
     }
 }

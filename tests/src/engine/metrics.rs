@@ -90,8 +90,12 @@ impl Default for Metrics {
 pub struct Gauges {
     pub running: usize,
     pub waiting: usize,
+    /// Share of the KV blocks held by running requests (as vLLM's
+    /// `kv_cache_usage_perc`: cached blocks no request holds count as free).
     pub kv_usage: f64,
-    pub num_blocks: usize,
+    /// The KV capacity published as `vllm:cache_config_info`; `None` leaves
+    /// it out (`--hide-capacity`), as SGLang and llama.cpp do.
+    pub num_blocks: Option<usize>,
 }
 
 impl Metrics {
@@ -136,12 +140,14 @@ impl Metrics {
             .render(&mut o, "vllm:time_to_first_token_seconds", &l);
         self.e2e
             .render(&mut o, "vllm:e2e_request_latency_seconds", &l);
-        let _ = writeln!(
-            o,
-            "# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",num_gpu_blocks=\"{}\"}} 1.0",
-            super::block_hash::BLOCK_SIZE,
-            g.num_blocks
-        );
+        if let Some(blocks) = g.num_blocks {
+            let _ = writeln!(
+                o,
+                "# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",num_gpu_blocks=\"{}\"}} 1.0",
+                super::block_hash::BLOCK_SIZE,
+                blocks
+            );
+        }
         o
     }
 }

@@ -165,6 +165,23 @@ impl Server {
                     .infer(s, buf, out, ApiKind::Generate, &req.body, ka)
                     .await;
             }
+            ("POST", "/tokenize") => {
+                let (status, body) = match api::parse_tokenize(&req.body, &self.args.models) {
+                    Ok((_, tokens)) => {
+                        (200, api::tokenize_body(&tokens, self.args.max_model_len()))
+                    }
+                    Err(e) => (e.status, e.body()),
+                };
+                http1::write_full(s, out, status, json, &body, id, ka).await
+            }
+            ("POST", "/v1/chat/completions/render") => {
+                let body = self.render(ApiKind::Chat, &req.body);
+                http1::write_full(s, out, body.0, json, &body.1, id, ka).await
+            }
+            ("POST", "/v1/completions/render") => {
+                let body = self.render(ApiKind::Completion, &req.body);
+                http1::write_full(s, out, body.0, json, &body.1, id, ka).await
+            }
             ("GET", "/health") => http1::write_full(s, out, 200, json, b"", id, ka).await,
             ("GET", "/v1/models") => {
                 http1::write_full(s, out, 200, json, &self.models_body(), id, ka).await
@@ -172,7 +189,11 @@ impl Server {
             ("GET", "/metrics") => {
                 let text = {
                     let e = self.engine.lock().expect("engine lock");
-                    e.metrics.render(&self.args.models[0], &e.gauges())
+                    let mut g = e.gauges();
+                    if self.args.hide_capacity {
+                        g.num_blocks = None;
+                    }
+                    e.metrics.render(&self.args.models[0], &g)
                 };
                 http1::write_full(
                     s,
@@ -215,7 +236,10 @@ impl Server {
                 | "/generate"
                 | "/health"
                 | "/v1/models"
-                | "/metrics",
+                | "/metrics"
+                | "/tokenize"
+                | "/v1/chat/completions/render"
+                | "/v1/completions/render",
             ) => {
                 http1::write_full(
                     s,
@@ -246,6 +270,19 @@ impl Server {
         );
         let keep = if dropped { body.len() / 2 } else { body.len() };
         out.extend_from_slice(&body[..keep]);
+    }
+
+    /// vLLM's render endpoints: the request's prompt token ids, exactly as
+    /// the inference endpoint would tokenize the same body, without running
+    /// it (no engine state is touched). `(status, body)`.
+    fn render(&self, kind: ApiKind, body: &[u8]) -> (u16, Vec<u8>) {
+        match api::parse(kind, body, &self.args.models, self.args.default_max_tokens) {
+            Ok(job) => {
+                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                (200, api::render_body(&job, id, &self.model_json[job.model]))
+            }
+            Err(e) => (e.status, e.body()),
+        }
     }
 
     fn models_body(&self) -> Vec<u8> {

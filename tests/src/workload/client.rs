@@ -301,6 +301,7 @@ impl Client {
                 Ok(httparse::Status::Partial) => {}
                 Err(e) => return Err(fail(format!("bad response head: {e}"))),
             }
+            quickack(conn);
             let got = conn.read_buf(&mut buf).await.map_err(|e| Failure {
                 msg: format!("read: {e}"),
                 before_response: buf.is_empty(),
@@ -404,6 +405,16 @@ impl Client {
     }
 }
 
+/// Acknowledges what arrives at once instead of after Linux's delayed-ACK
+/// timer (up to 40 ms). A server that writes a response in two small
+/// segments without TCP_NODELAY (sglang-router 0.3.2 writes the SSE head,
+/// then the first event) waits for that ACK under Nagle's rule, which would
+/// add 40 ms to every TTFT measured through it on a reused connection. The
+/// flag does not stick (the kernel clears it), so it is set before every read.
+fn quickack(conn: &TcpStream) {
+    let _ = socket2::SockRef::from(conn).set_tcp_quickack(true);
+}
+
 fn failed(msg: String, _start: Instant) -> Outcome {
     Outcome {
         status: 0,
@@ -434,6 +445,7 @@ struct BodyReader {
 
 impl BodyReader {
     async fn fill(&mut self, conn: &mut TcpStream) -> std::io::Result<usize> {
+        quickack(conn);
         conn.read_buf(&mut self.buf).await
     }
 

@@ -321,6 +321,26 @@ mod tests {
     }
 
     #[test]
+    fn think_time_is_exponential_with_its_mean() {
+        let sc = Scenario {
+            think_time_ms: 400.0,
+            ..Scenario::new(ScenarioKind::Chat)
+        };
+        let corpus = Corpus::new(&sc, 3);
+        let mut s = Session::new(&corpus, 1, 9);
+        let draws: Vec<f64> = (0..4000)
+            .map(|_| s.think_time().as_secs_f64() * 1e3)
+            .collect();
+        let mean = draws.iter().sum::<f64>() / draws.len() as f64;
+        assert!((370.0..430.0).contains(&mean), "mean {mean}");
+        // Exponential: about e^-1 of the draws exceed the mean.
+        let above = draws.iter().filter(|&&d| d > 400.0).count() as f64 / draws.len() as f64;
+        assert!((0.33..0.41).contains(&above), "{above}");
+        let mut lockstep = Session::new(&Corpus::new(&Scenario::new(ScenarioKind::Chat), 3), 1, 9);
+        assert_eq!(lockstep.think_time(), Duration::ZERO);
+    }
+
+    #[test]
     fn hot_prefix_is_mostly_hot() {
         let corpus = Corpus::new(&Scenario::new(ScenarioKind::HotPrefix), 3);
         let hot = (0..1000)

@@ -1,0 +1,298 @@
+//! The quality bench's rows: a workload, the fleet it runs on, and how it is
+//! driven. The named scenarios are shaped like production traffic (people
+//! think for seconds between turns, caches smaller than the working set,
+//! engines that may not publish their capacity); the lock-step shapes of the
+//! first benches stay as extra rows, named after their workload kind.
+
+use serde::{Deserialize, Serialize};
+use testkit::engine::block_hash::BLOCK_SIZE;
+use testkit::workload::{Scenario, ScenarioKind};
+
+/// Mean think time between a conversation's turns, in simulated seconds:
+/// a person reads an answer and types the next question in a few seconds
+/// (a support chat's users take 5-30 s; 5 keeps the runs short). Drawn
+/// exponentially; scaled with the time scale like everything simulated.
+pub const THINK_S: f64 = 5.0;
+
+/// How long a named scenario runs, in real seconds: a conversation of ~10
+/// turns at the default think time lasts about 20 s real at time scale 0.25,
+/// so 45 s sees every user through two or three conversations.
+pub const NAMED_DURATION_S: f64 = 45.0;
+
+/// How a row is driven.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Drive {
+    pub engines: usize,
+    /// Closed loop: concurrent users, each running conversations back to
+    /// back (ignored with `arrivals_per_s`).
+    pub users: usize,
+    pub duration_s: f64,
+    pub seed: u64,
+    /// Open loop: new conversations per simulated second (Poisson), scaled
+    /// with the time scale; `None` = closed loop.
+    #[serde(default)]
+    pub arrivals_per_s: Option<f64>,
+}
+
+/// One row group of the quality bench.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct QualityScenario {
+    /// The row's name (`--scenario NAME`).
+    pub name: String,
+    /// One line for the report.
+    pub about: String,
+    pub scenario: Scenario,
+    /// Per-engine KV capacity in 16-token blocks.
+    pub kv_blocks: usize,
+    /// The engines leave `vllm:cache_config_info` out of `/metrics`: the
+    /// router is not told their capacity.
+    #[serde(default)]
+    pub hide_capacity: bool,
+    /// Mean think time between turns in simulated seconds (0 = lock-step
+    /// users who send their next turn the moment an answer ends).
+    #[serde(default)]
+    pub think_s: f64,
+    pub drive: Drive,
+    /// prefix-router's policies run on this row (the peers, when enabled,
+    /// run on every row).
+    #[serde(default)]
+    pub policies: Vec<String>,
+}
+
+impl QualityScenario {
+    /// The workload as sent at `time_scale`: think time in real ms.
+    pub fn scaled(&self, time_scale: f64) -> Scenario {
+        Scenario {
+            think_time_ms: self.think_s * 1e3 * time_scale,
+            ..self.scenario.clone()
+        }
+    }
+
+    /// Open-loop arrivals per real second at `time_scale`.
+    pub fn rate(&self, time_scale: f64) -> Option<f64> {
+        self.drive.arrivals_per_s.map(|r| r / time_scale.max(1e-9))
+    }
+}
+
+/// The support-chat turn shape of the named scenarios: users' turns of
+/// ~200 tokens (a question with an order number, a pasted error), answers of
+/// 150 tokens, 6-14 turns, the whole history resent each turn.
+fn support_chat(prefixes: usize, prefix_tokens: usize) -> Scenario {
+    Scenario {
+        prefixes,
+        prefix_tokens,
+        user_tokens: 200,
+        max_tokens: 150,
+        turns: (6, 14),
+        ..Scenario::new(ScenarioKind::Chat)
+    }
+}
+
+/// The working set of a chat workload in blocks: the shared system prompts
+/// plus the histories of the conversations alive at once. A conversation of
+/// T turns that is at a uniformly random turn holds on average (T+1)/2
+/// turns of history beyond its system prompt.
+pub fn chat_working_set_blocks(sc: &Scenario, live_chats: usize) -> usize {
+    let prompts = sc.prefixes * sc.prefix_tokens.div_ceil(BLOCK_SIZE);
+    let mean_turns = f64::from(sc.turns.0 + sc.turns.1) / 2.0;
+    let per_turn = (sc.user_tokens + sc.max_tokens as usize) as f64;
+    let history = (mean_turns + 1.0) / 2.0 * per_turn / BLOCK_SIZE as f64;
+    prompts + (live_chats as f64 * history).round() as usize
+}
+
+/// Caches that each hold about a third of the working set: three engines
+/// could hold it all only if nothing were ever kept twice.
+fn third_of(sc: &Scenario, live_chats: usize) -> usize {
+    chat_working_set_blocks(sc, live_chats).div_ceil(3)
+}
+
+fn named(
+    name: &str,
+    about: &str,
+    sc: Scenario,
+    users: usize,
+    hide_capacity: bool,
+) -> QualityScenario {
+    QualityScenario {
+        name: name.into(),
+        about: about.into(),
+        kv_blocks: third_of(&sc, users),
+        scenario: sc,
+        hide_capacity,
+        think_s: THINK_S,
+        drive: Drive {
+            engines: 3,
+            users,
+            duration_s: NAMED_DURATION_S,
+            seed: 1,
+            arrivals_per_s: None,
+        },
+        policies: ["prefix", "round-robin", "least-request"]
+            .map(String::from)
+            .to_vec(),
+    }
+}
+
+/// The named scenarios of issue 9, (a) to (d), then an open-loop one.
+pub fn named_scenarios() -> Vec<QualityScenario> {
+    let pressure = support_chat(6, 1500);
+    let mut open = named(
+        "open-loop",
+        "conversations arriving at random (Poisson) instead of a fixed set of users; 6 system prompts of 1.5k tokens, capacity not published",
+        pressure.clone(),
+        24,
+        true,
+    );
+    // Little's law: ~24 conversations alive when each lasts ~75 simulated
+    // seconds (10 turns of a 5 s think and a ~2.5 s answer).
+    open.drive.arrivals_per_s = Some(24.0 / 75.0);
+    vec![
+        named(
+            "pressure-unpublished",
+            "(a) 3 engines, 24 chats over 6 system prompts of 1.5k tokens, each cache about a third of the working set, capacity not published",
+            pressure.clone(),
+            24,
+            true,
+        ),
+        named(
+            "pressure-published",
+            "(b) as (a), capacity published as vllm:cache_config_info",
+            pressure,
+            24,
+            false,
+        ),
+        named(
+            "think-48",
+            "(c) 48 chats over 4 system prompts of 1.5k tokens, think time between turns, capacity not published",
+            support_chat(4, 1500),
+            48,
+            true,
+        ),
+        named(
+            "hot-prompt",
+            "(d) one hot 2k-token system prompt shared by 32 concurrent chats, capacity not published: watch p99 and max/mean load",
+            support_chat(1, 2000),
+            32,
+            true,
+        ),
+        open,
+    ]
+}
+
+/// The workload of each lock-step row. Chat is shaped like a support
+/// chatbot: 4 shared system prompts of 500 tokens, the support-chat turns.
+pub fn scenario_for(kind: ScenarioKind) -> Scenario {
+    match kind {
+        ScenarioKind::Chat => support_chat(4, 500),
+        _ => Scenario::new(kind),
+    }
+}
+
+/// Per-engine KV capacity (16-token blocks) of each lock-step row: less
+/// than the scenario's working set over the fleet, more than one session needs.
+pub fn kv_blocks_for(kind: ScenarioKind) -> usize {
+    match kind {
+        // 4 system prompts of 32 blocks; conversations grow to ~300 blocks:
+        // an engine holds its share of 24 conversations, not all of them.
+        ScenarioKind::Chat => 1536,
+        // 4 templates of ~94 blocks: one engine holds two or three.
+        ScenarioKind::FewShot => 256,
+        // 16 prompts of ~63 blocks: ~1000 blocks in all.
+        ScenarioKind::HotPrefix => 384,
+        // 4 documents of 600-1250 blocks.
+        ScenarioKind::LongDoc => 2048,
+        // 2 tool sets of ~94 blocks; loops grow to ~450 blocks.
+        ScenarioKind::Agent => 1024,
+    }
+}
+
+/// The lock-step rows (no think time, capacity published): the shapes of
+/// the first benches, kept for comparison with earlier results.
+pub fn lockstep_scenarios() -> Vec<QualityScenario> {
+    [
+        ScenarioKind::Chat,
+        ScenarioKind::FewShot,
+        ScenarioKind::HotPrefix,
+        ScenarioKind::LongDoc,
+        ScenarioKind::Agent,
+    ]
+    .into_iter()
+    .map(lockstep)
+    .collect()
+}
+
+/// One lock-step row. Chat is judged at steady state: long enough for
+/// conversations to reach their later turns, where history dominates.
+pub fn lockstep(kind: ScenarioKind) -> QualityScenario {
+    let (users, duration_s) = if kind == ScenarioKind::Chat {
+        (24, 24.0)
+    } else {
+        (16, 6.0)
+    };
+    QualityScenario {
+        name: kind.name().into(),
+        about: format!(
+            "{} workload, lock-step users (no think time), capacity published",
+            kind.name()
+        ),
+        scenario: scenario_for(kind),
+        kv_blocks: kv_blocks_for(kind),
+        hide_capacity: false,
+        think_s: 0.0,
+        drive: Drive {
+            engines: 4,
+            users,
+            duration_s,
+            seed: 1,
+            arrivals_per_s: None,
+        },
+        policies: [
+            "prefix",
+            "round-robin",
+            "least-request",
+            "random",
+            "power-of-two",
+            "session",
+        ]
+        .map(String::from)
+        .to_vec(),
+    }
+}
+
+/// Every row by name.
+pub fn all() -> Vec<QualityScenario> {
+    let mut v = named_scenarios();
+    v.extend(lockstep_scenarios());
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn caches_hold_about_a_third_of_the_working_set() {
+        let a = &named_scenarios()[0];
+        let ws = chat_working_set_blocks(&a.scenario, a.drive.users);
+        // 6 x 94 prompt blocks + 24 chats x 5.5 turns x 350 tokens / 16.
+        assert_eq!(ws, 6 * 94 + 2888);
+        assert_eq!(a.kv_blocks, ws.div_ceil(3));
+        assert!(a.hide_capacity);
+        // The longest conversation still fits one engine.
+        let longest = (1500 + 14 * 350) / BLOCK_SIZE;
+        assert!(longest < a.kv_blocks);
+    }
+
+    #[test]
+    fn names_are_unique_and_think_time_scales() {
+        let all = all();
+        let mut names: Vec<_> = all.iter().map(|s| s.name.clone()).collect();
+        names.sort();
+        names.dedup();
+        assert_eq!(names.len(), all.len());
+        let a = &all[0];
+        assert_eq!(a.scaled(0.25).think_time_ms, THINK_S * 250.0);
+        let open = all.iter().find(|s| s.name == "open-loop").unwrap();
+        assert!((open.rate(0.25).unwrap() - 4.0 * 24.0 / 75.0).abs() < 1e-9);
+    }
+}
