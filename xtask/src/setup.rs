@@ -24,6 +24,7 @@ const LLVM_MAJOR: u32 = 22;
 pub fn run() -> anyhow::Result<()> {
     let started = Instant::now();
     ensure_nightly_rust_src()?;
+    ensure_fmt_and_clippy()?;
     let need_linker = !bpf_linker_ok();
     let llvm_pkg = format!("llvm-{LLVM_MAJOR}-dev");
     let llvm_prefix = PathBuf::from(format!("/usr/lib/llvm-{LLVM_MAJOR}"));
@@ -54,6 +55,21 @@ pub fn run() -> anyhow::Result<()> {
     }
     eprintln!("setup: done in {:.1}s", started.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// `cargo xtask test` runs `cargo fmt --check` and `cargo clippy`.
+fn ensure_fmt_and_clippy() -> anyhow::Result<()> {
+    let has = |sub: &str| {
+        Command::new("cargo")
+            .args([sub, "--version"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if has("fmt") && has("clippy") {
+        return Ok(());
+    }
+    run_cmd(Command::new("rustup").args(["component", "add", "rustfmt", "clippy"]))
+        .context("rustup could not add rustfmt and clippy")
 }
 
 /// The eBPF crate is built with nightly's `-Z build-std=core`, which needs `rust-src`.

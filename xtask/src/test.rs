@@ -1,5 +1,6 @@
 //! `cargo xtask test`: the README's test command, and what `.ci/run` calls.
-//! Set-up, a build of every binary (the end-to-end tests start them as real
+//! Set-up, `cargo fmt --check` and `cargo clippy --all-targets -D warnings`,
+//! a build of every binary (the end-to-end tests start them as real
 //! processes), the fuzz targets for a bounded time, then every test; it ends
 //! with one line counting what passed and failed.
 
@@ -23,6 +24,16 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     crate::setup::run()?;
+    // Unformatted code or a clippy warning fails the test command.
+    cargo(&["fmt", "--all", "--check"])?;
+    cargo(&[
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--",
+        "-D",
+        "warnings",
+    ])?;
     cargo(&["build", "--workspace", "--bins"])?;
     if !args.no_fuzz {
         let secs = FUZZ_SECONDS.to_string();

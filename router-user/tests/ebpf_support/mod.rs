@@ -4,12 +4,16 @@
 
 use prefix_router::ebpf;
 
-/// True when the test may go on. Not root: prints why and skips (CI runs as
-/// root). No eBPF object in this build: skips with a reason, but FAILS when
-/// `CI` is set, so CI cannot pass by silently skipping.
+/// True when the test may go on. Not root, or no eBPF object in this build:
+/// prints why and skips outside CI, but FAILS when `CI` is set, so CI cannot
+/// pass by silently skipping.
 pub fn privileged(test: &str) -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{test}: CI is set but this process is not root; CI runs privileged tests as root"
+        );
         eprintln!("skipping {test}: needs root to load XDP (CI runs it as root)");
         return false;
     }
