@@ -1,6 +1,7 @@
 //! prefix-router: routes OpenAI-compatible requests to the inference server
-//! most likely to hold the prompt's prefix in its KV cache, within a hard
-//! load bound. See ARCHITECTURE.md for the map of this crate.
+//! predicted to answer first: the one holding the prompt's prefix in its KV
+//! cache, weighed against queued work and load, under a safety cap. See
+//! ARCHITECTURE.md for the map of this crate.
 
 pub mod admin;
 pub mod backend;
