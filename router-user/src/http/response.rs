@@ -189,47 +189,35 @@ fn garbage(what: &str) -> RouterError {
 mod tests {
     use super::*;
 
+    /// A complete, accepted head from a plain client's request.
+    fn parsed(raw: &[u8], out: &mut Vec<u8>) -> ResponseHead {
+        parse(raw, &Client::default(), 8192, out)
+            .unwrap()
+            .expect("a complete head")
+    }
+
     #[test]
     fn framing_and_reuse() {
         let mut out = Vec::new();
-        let h = parse(
+        let h = parsed(
             b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: keep-alive\r\n\r\nhello",
-            &Client::default(),
-            8192,
             &mut out,
-        )
-        .unwrap()
-        .unwrap();
+        );
         assert_eq!(h.framing, ResponseFraming::Length(5));
         assert!(h.reusable);
         assert_eq!(out, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n");
-        let h = parse(
+        let h = parsed(
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
-            &Client::default(),
-            8192,
             &mut out,
-        )
-        .unwrap()
-        .unwrap();
+        );
         assert_eq!(h.framing, ResponseFraming::Chunked);
-        let h = parse(
-            b"HTTP/1.1 200 OK\r\n\r\n",
-            &Client::default(),
-            8192,
-            &mut out,
-        )
-        .unwrap()
-        .unwrap();
+        let h = parsed(b"HTTP/1.1 200 OK\r\n\r\n", &mut out);
         assert_eq!(h.framing, ResponseFraming::Close);
         assert!(!h.reusable);
-        let h = parse(
+        let h = parsed(
             b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\n",
-            &Client::default(),
-            8192,
             &mut out,
-        )
-        .unwrap()
-        .unwrap();
+        );
         assert!(!h.reusable);
         let h = parse(
             b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n",
@@ -260,28 +248,17 @@ mod tests {
             let e = parse(raw, &Client::default(), 8192, &mut out).unwrap_err();
             assert_eq!(e.status(), 502, "{:?}", String::from_utf8_lossy(raw));
         }
-        let h = parse(
+        let h = parsed(
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
-            &Client::default(),
-            8192,
             &mut out,
-        )
-        .unwrap()
-        .unwrap();
+        );
         assert_eq!(h.framing, ResponseFraming::Chunked);
     }
 
     #[test]
     fn connection_listed_and_hop_by_hop_headers_are_dropped() {
         let mut out = Vec::new();
-        parse(
-            b"HTTP/1.1 200 OK\r\nConnection: close, X-Secret\r\nX-Secret: s\r\nKeep-Alive: 5\r\nUpgrade: h2c\r\nX-Kept: 1\r\nContent-Length: 2\r\n\r\n",
-            &Client::default(),
-            8192,
-            &mut out,
-        )
-        .unwrap()
-        .unwrap();
+        parsed(b"HTTP/1.1 200 OK\r\nConnection: close, X-Secret\r\nX-Secret: s\r\nKeep-Alive: 5\r\nUpgrade: h2c\r\nX-Kept: 1\r\nContent-Length: 2\r\n\r\n", &mut out);
         let head = String::from_utf8(out).unwrap();
         assert_eq!(
             head,
