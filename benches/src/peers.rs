@@ -165,12 +165,22 @@ impl Venv {
     }
 
     /// The virtualenv at `dir` if the pinned peers are installed there.
+    /// pip writes the venv's absolute path into each script's `#!` line, so a
+    /// venv copied or moved elsewhere is not an install (its scripts would
+    /// run another venv's Python, or none).
     pub fn installed(dir: &Path) -> Option<Venv> {
         let marker = std::fs::read_to_string(dir.join(MARKER)).ok()?;
+        let runs_here = |script: &str| {
+            let text = std::fs::read_to_string(dir.join("bin").join(script)).unwrap_or_default();
+            let interpreter = text.lines().next().unwrap_or("").trim_start_matches("#!");
+            let real = |p: &Path| std::fs::canonicalize(p).ok();
+            let bin = real(&dir.join("bin"));
+            bin.is_some() && Path::new(interpreter.trim()).parent().and_then(real) == bin
+        };
         let ok = marker.trim() == Self::marker_text()
             && dir.join("bin/python").exists()
-            && dir.join("bin/vllm-router").exists()
-            && dir.join("bin/smg").exists();
+            && runs_here("vllm-router")
+            && runs_here("smg");
         ok.then(|| Venv {
             dir: dir.to_path_buf(),
         })
@@ -443,8 +453,9 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("peers-venv-test-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("bin")).unwrap();
+        let shebang = format!("#!{}\n", dir.join("bin/python").display());
         for b in ["python", "vllm-router", "smg"] {
-            std::fs::write(dir.join("bin").join(b), "").unwrap();
+            std::fs::write(dir.join("bin").join(b), &shebang).unwrap();
         }
         assert!(
             Venv::installed(&dir).is_none(),
@@ -454,6 +465,14 @@ mod tests {
         assert!(Venv::installed(&dir).is_none(), "other versions");
         std::fs::write(dir.join(MARKER), Venv::marker_text()).unwrap();
         assert!(Venv::installed(&dir).is_some());
+        // The default dir is `BIN_DIR/../peers-venv`: the same venv.
+        assert!(
+            Venv::installed(&dir.join("bin/..")).is_some(),
+            "a path with .."
+        );
+        // A venv copied from elsewhere: its scripts run the other venv's Python.
+        std::fs::write(dir.join("bin/smg"), "#!/elsewhere/peers-venv/bin/python3\n").unwrap();
+        assert!(Venv::installed(&dir).is_none(), "a moved venv");
         std::fs::remove_file(dir.join("bin/smg")).unwrap();
         assert!(Venv::installed(&dir).is_none(), "smg missing");
         let _ = std::fs::remove_dir_all(&dir);
