@@ -2,7 +2,7 @@
 //! several `sim-engine`s, driven by the workload generator. What a user of
 //! the router would notice: cache hits, sticky conversations, spread load.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use testkit::engine_proc::SimEngine;
 use testkit::router_proc::Router;
@@ -64,66 +64,84 @@ fn conversations_stay_on_their_backend() {
 
 /// Engines whose caches cannot hold every conversation: the prefix policy
 /// keeps each conversation where its history is, round-robin scatters them.
+///
+/// Medians of three prefix runs: at this pressure (6 system prompts on 4
+/// engines of 400 blocks, engines 500x faster than a GPU) single runs
+/// scatter by several points. The bounds are those of the TTFT policy
+/// (issue 9): it keeps a conversation with its history, and a system prompt
+/// with its engine, over a moderate imbalance, so load follows the prompt
+/// mix up to its safety cap (1.5x the mean plus slack).
 #[test]
 fn prefix_hit_rate_is_near_the_ceiling_and_far_above_round_robin() {
     let engine_args = ["--time-scale", "0.002", "--kv-blocks", "400"];
     let mut scenario = Scenario::new(ScenarioKind::Chat);
     scenario.prefixes = 6;
-    let mut results = BTreeMap::new();
-    for policy in ["prefix", "round-robin"] {
+    let once = |policy: &str| {
         let e = SimEngine::fleet(4, &engine_args);
         let r = Router::spawn(&urls(&e), &["--policy", policy, "--debug-headers"], "");
         let (_, s) = run(&r, scenario.clone(), 16, 240);
         assert_eq!(s.ok, 240, "{policy}: {s}");
-        results.insert(policy, s);
+        s
+    };
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let runs: Vec<Summary> = (0..3).map(|_| once("prefix")).collect();
+    let rr = once("round-robin");
+    let hit = median(runs.iter().map(|s| s.hit_rate).collect());
+    let ceiling = median(runs.iter().map(|s| s.ceiling_hit_rate).collect());
+    let load = median(runs.iter().map(|s| s.load_max_mean_ratio).collect());
+    for s in &runs {
+        println!("prefix: {s}");
     }
-    let (p, rr) = (&results["prefix"], &results["round-robin"]);
-    println!("prefix: {p}\nround-robin: {rr}");
+    println!("round-robin: {rr}");
     assert!(
-        p.hit_rate >= 0.9 * p.ceiling_hit_rate,
-        "prefix hit rate {:.3} vs ceiling {:.3}",
-        p.hit_rate,
-        p.ceiling_hit_rate
+        hit >= 0.85 * ceiling,
+        "prefix hit rate {hit:.3} (median) vs ceiling {ceiling:.3}"
     );
     assert!(
-        p.hit_rate >= rr.hit_rate + 0.15,
-        "prefix {:.3} vs round-robin {:.3}",
-        p.hit_rate,
+        hit >= rr.hit_rate + 0.15,
+        "prefix {hit:.3} (median) vs round-robin {:.3}",
         rr.hit_rate
     );
-    assert!(
-        p.load_max_mean_ratio <= 1.5,
-        "prefix load max/mean {:.2}",
-        p.load_max_mean_ratio
-    );
+    assert!(load <= 1.75, "prefix load max/mean {load:.2} (median)");
 }
 
 /// Every request shares one system prompt: the load bound spreads it over
-/// every replica instead of piling it onto the first that cached it.
+/// every replica instead of piling it onto the first that cached it. The
+/// load is judged on the median of three runs: single runs of 240 requests
+/// scatter by a tenth.
 #[test]
 fn a_hot_system_prompt_is_spread_within_the_load_bound() {
-    // Real-time-ish engines so requests overlap and load is visible.
-    let e = SimEngine::fleet(4, &["--time-scale", "0.05"]);
-    let r = Router::spawn(&urls(&e), &["--debug-headers"], "");
     let mut scenario = Scenario::new(ScenarioKind::HotPrefix);
     scenario.prefixes = 1;
     scenario.hot_fraction = 1.0;
-    let (_, s) = run(&r, scenario, 24, 240);
-    assert_eq!(s.ok, 240, "{s}");
-    assert_eq!(
-        s.per_instance.len(),
-        4,
-        "every engine takes a share: {:?}",
-        s.per_instance
-    );
+    let runs: Vec<Summary> = (0..3)
+        .map(|_| {
+            // Real-time-ish engines so requests overlap and load is visible.
+            let e = SimEngine::fleet(4, &["--time-scale", "0.05"]);
+            let r = Router::spawn(&urls(&e), &["--debug-headers"], "");
+            let (_, s) = run(&r, scenario.clone(), 24, 240);
+            assert_eq!(s.ok, 240, "{s}");
+            assert_eq!(
+                s.per_instance.len(),
+                4,
+                "every engine takes a share: {:?}",
+                s.per_instance
+            );
+            assert!(
+                s.hit_rate >= 0.5 * s.ceiling_hit_rate,
+                "replicas still hit the shared prompt: {s}"
+            );
+            s
+        })
+        .collect();
+    let mut loads: Vec<f64> = runs.iter().map(|s| s.load_max_mean_ratio).collect();
+    loads.sort_by(f64::total_cmp);
     assert!(
-        s.load_max_mean_ratio <= 1.6,
-        "max/mean load {:.2}: {:?}",
-        s.load_max_mean_ratio,
-        s.per_instance
-    );
-    assert!(
-        s.hit_rate >= 0.5 * s.ceiling_hit_rate,
-        "replicas still hit the shared prompt: {s}"
+        loads[1] <= 1.6,
+        "max/mean load {:.2} (median of {loads:?})",
+        loads[1]
     );
 }
