@@ -107,14 +107,6 @@ impl PrefixIndex {
         self.ring_lens[backend].store(ring.blocks.len(), Relaxed);
     }
 
-    /// The capacity `backend` is allowed.
-    pub fn capacity(&self, backend: usize) -> usize {
-        self.rings[backend]
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .capacity
-    }
-
     /// Writes into `out` how many leading blocks of `hashes` each backend
     /// holds, for the backends in `candidates` (a bitmask); returns the mask
     /// of backends that hold at least one block.
