@@ -8,9 +8,9 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
-use crate::hash::DEFAULT_BLOCK_BYTES;
-use crate::index::MAX_BACKENDS;
-use crate::select::{Policy, PrefixParams};
+use crate::route::hash::DEFAULT_BLOCK_BYTES;
+use crate::route::index::MAX_BACKENDS;
+use crate::route::select::{Policy, PrefixParams};
 
 /// The whole configuration. Every field has a default but `backends`.
 #[derive(Clone, Debug, Deserialize)]
@@ -33,7 +33,7 @@ pub struct Config {
     pub admin: Admin,
     pub log: Log,
     /// The XDP connection counters (`[ebpf]`).
-    pub ebpf: crate::ebpf::EbpfConfig,
+    pub ebpf: crate::control::ebpf::EbpfConfig,
     /// Add `x-prefix-router-backend` and `x-prefix-router-matched-blocks` to
     /// responses, keep the engine's identity headers (`server`,
     /// `x-engine-id`), and put the internal detail (backend URL, OS error)
@@ -56,7 +56,7 @@ impl Default for Config {
             health: Health::default(),
             admin: Admin::default(),
             log: Log::default(),
-            ebpf: crate::ebpf::EbpfConfig::default(),
+            ebpf: crate::control::ebpf::EbpfConfig::default(),
             debug_headers: false,
         }
     }

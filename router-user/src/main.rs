@@ -8,9 +8,11 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use prefix_router::config::{BackendConfig, Config, ms};
+use prefix_router::route::select::Policy;
 use prefix_router::router::Router;
-use prefix_router::select::Policy;
-use prefix_router::{health, listener, loadview, logging, reload};
+use prefix_router::{
+    control::health, control::loadview, control::logging, control::reload, proxy::listener,
+};
 use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing::{error, info};
 
@@ -135,7 +137,7 @@ fn run() -> anyhow::Result<()> {
     health::spawn_checker(router.clone());
     if let Some(addr) = cfg.admin.listen {
         let (r, c) = (router.clone(), cli.clone());
-        prefix_router::admin::start(
+        prefix_router::control::admin::start(
             router.clone(),
             addr,
             Box::new(move || reload::apply(&r, c.config()?)),

@@ -11,11 +11,11 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::backend::Fleet;
-use crate::forward::Resend;
-use crate::index::{MAX_BACKENDS, PrefixIndex};
+use crate::proxy::forward::Resend;
+use crate::route::backend::Fleet;
+use crate::route::index::{MAX_BACKENDS, PrefixIndex};
+use crate::route::select::Decision;
 use crate::router::Routed;
-use crate::select::Decision;
 
 /// Status classes counted per backend: 2xx, 3xx, 4xx, 5xx, other.
 const CLASSES: [&str; 5] = ["2xx", "3xx", "4xx", "5xx", "other"];
@@ -328,7 +328,7 @@ impl Metrics {
             resends,
         );
         let buffered = Gauge::<i64>::default();
-        buffered.set(crate::budget::in_use() as i64);
+        buffered.set(crate::proxy::budget::in_use() as i64);
         reg.register(
             "buffered_body_bytes",
             "Request body bytes buffered now, against limits.max_buffered_body_bytes",

@@ -7,13 +7,13 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering:
 use arc_swap::ArcSwap;
 use tracing::info;
 
-use crate::backend::{Backend, Fleet};
 use crate::config::{Config, backend_addr};
-use crate::feedback::{Correction, Usage};
-use crate::hash::{block_hashes, cold_key};
-use crate::index::{MAX_BACKENDS, Matches, PrefixIndex};
 use crate::metrics::Metrics;
-use crate::select::{self, BackendLoad, Choice, Policy, RouteInput};
+use crate::route::backend::{Backend, Fleet};
+use crate::route::feedback::{Correction, Usage};
+use crate::route::hash::{block_hashes, cold_key};
+use crate::route::index::{MAX_BACKENDS, Matches, PrefixIndex};
+use crate::route::select::{self, BackendLoad, Choice, Policy, RouteInput};
 
 pub struct Router {
     pub config: ArcSwap<Config>,

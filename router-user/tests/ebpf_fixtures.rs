@@ -9,7 +9,9 @@ mod ebpf_support;
 use std::net::SocketAddr;
 use std::time::Instant;
 
-use prefix_router::ebpf::{BackendCounters, EbpfConfig, EbpfLoad, EbpfMode, GlobalCounters};
+use prefix_router::control::ebpf::{
+    BackendCounters, EbpfConfig, EbpfLoad, EbpfMode, GlobalCounters,
+};
 
 const XDP_PASS: u32 = 2;
 const FIN: u8 = 0x01;

@@ -22,7 +22,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use prefix_router::ebpf::{BackendCounters, EbpfConfig, EbpfLoad, EbpfMode, XdpMode};
+use prefix_router::control::ebpf::{BackendCounters, EbpfConfig, EbpfLoad, EbpfMode, XdpMode};
 
 /// A network namespace made by this test; deleted on drop.
 struct Netns(String);

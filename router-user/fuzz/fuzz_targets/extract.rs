@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use prefix_router::extract::{Endpoint, Extractor};
+use prefix_router::route::extract::{Endpoint, Extractor};
 
 fuzz_target!(|data: &[u8]| {
     let mut ex = Extractor::default();

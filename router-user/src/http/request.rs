@@ -7,7 +7,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::{MAX_HEADERS, has_token, is_hop_by_hop};
 use crate::error::{Kind, RouterError};
-use crate::extract::Endpoint;
+use crate::route::extract::Endpoint;
 
 /// How the request body is framed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 
 #![allow(dead_code)]
 
-use prefix_router::ebpf;
+use prefix_router::control::ebpf;
 
 /// True when the test may go on. Not root, or no eBPF object in this build:
 /// prints why and skips outside CI, but FAILS when `CI` is set, so CI cannot

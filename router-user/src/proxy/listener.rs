@@ -13,8 +13,8 @@ use monoio::net::{ListenerOpts, TcpListener};
 use tracing::{debug, error, warn};
 
 use crate::error::{Kind, RouterError};
-use crate::io::write_all;
-use crate::proxy::{self, Worker};
+use crate::proxy::conn::{self, Worker};
+use crate::proxy::io::write_all;
 use crate::router::Router;
 
 /// Submission queue entries per worker ring.
@@ -42,7 +42,7 @@ fn runtime() -> std::io::Result<Runtime> {
 /// 260 MB resident). A fixed threshold keeps every block above it in its own
 /// mapping, unmapped when freed and grown by `mremap` without a copy; below
 /// it (the usual prompts) the heap serves as before.
-pub const MMAP_THRESHOLD: usize = crate::proxy::RETURN_ABOVE;
+pub const MMAP_THRESHOLD: usize = crate::proxy::conn::RETURN_ABOVE;
 
 fn fix_mmap_threshold() {
     #[cfg(target_env = "gnu")]
@@ -198,7 +198,7 @@ async fn accept_loop(worker: Rc<Worker>, listener: TcpListener) {
         let w = worker.clone();
         monoio::spawn(async move {
             debug!(%peer, "client connected");
-            proxy::serve(w.clone(), stream, peer).await;
+            conn::serve(w.clone(), stream, peer).await;
             w.router.client_conns.fetch_sub(1, Relaxed);
         });
     }

@@ -9,10 +9,10 @@ use std::time::Instant;
 
 use tracing::{debug, warn};
 
-use crate::backend::Fleet;
 use crate::config::ms;
-use crate::ebpf::{EbpfError, EbpfLoad};
-use crate::health;
+use crate::control::ebpf::{EbpfError, EbpfLoad};
+use crate::control::health;
+use crate::route::backend::Fleet;
 use crate::router::Router;
 
 /// Loads the XDP program per `ebpf.mode` for the current fleet. `Ok(None)`
@@ -77,7 +77,7 @@ pub fn spawn(
 fn refresh(
     router: &Router,
     fleet: &Fleet,
-    snap: &[crate::ebpf::BackendCounters],
+    snap: &[crate::control::ebpf::BackendCounters],
     last_reset: &mut [u64],
     secs: f64,
 ) {

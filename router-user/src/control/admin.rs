@@ -14,7 +14,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use serde_json::json;
 use tracing::info;
 
-use crate::extract::{Endpoint, Extractor};
+use crate::route::extract::{Endpoint, Extractor};
 use crate::router::{PromptBlocks, RouteRequest, RouteScratch, Router};
 
 /// Re-reads the configuration source and applies it.
@@ -219,12 +219,12 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
 
 /// One sentence on why the first candidate won.
 fn why(
-    policy: crate::select::Policy,
+    policy: crate::route::select::Policy,
     routed: &crate::router::Routed,
-    scores: &[crate::select::Score],
-    fleet: &crate::backend::Fleet,
+    scores: &[crate::route::select::Score],
+    fleet: &crate::route::backend::Fleet,
 ) -> String {
-    use crate::select::{Decision, Policy};
+    use crate::route::select::{Decision, Policy};
     let Some(first) = routed.choice.first() else {
         return "no backend is eligible (unhealthy, draining or at its in-flight limit)".into();
     };

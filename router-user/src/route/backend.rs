@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering:
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::feedback::Feedback;
-use crate::select::BackendLoad;
+use crate::route::feedback::Feedback;
+use crate::route::select::BackendLoad;
 
 /// One inference server.
 #[derive(Debug)]

@@ -9,17 +9,17 @@ use std::time::Instant;
 use monoio::net::TcpStream;
 use tracing::{debug, info};
 
-use crate::backend::{Backend, InFlight};
 use crate::config::{Config, ms};
+use crate::control::health;
 use crate::error::{Kind, RouterError};
-use crate::feedback::UsageScanner;
-use crate::health;
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{BodyFraming, RequestHead};
 use crate::http::response::{self, ResponseFraming};
-use crate::io::{Read, read_more, write_all, write_range};
-use crate::pool::BackendConn;
-use crate::proxy::{ClientConn, Worker};
+use crate::proxy::conn::{ClientConn, Worker};
+use crate::proxy::io::{Read, read_more, write_all, write_range};
+use crate::proxy::pool::BackendConn;
+use crate::route::backend::{Backend, InFlight};
+use crate::route::feedback::UsageScanner;
 use crate::router::Routed;
 
 /// Bodies up to this size are copied behind the head and sent in one write;

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
-use crate::backend::Backend;
 use crate::config::ms;
+use crate::route::backend::Backend;
 use crate::router::Router;
 
 /// A request to `backend` failed (connect error, reset, 5xx). After

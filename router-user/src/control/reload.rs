@@ -11,9 +11,9 @@ use std::sync::atomic::Ordering::Relaxed;
 use anyhow::bail;
 use tracing::{info, warn};
 
-use crate::backend::{Backend, Fleet};
 use crate::config::{Config, backend_addr};
-use crate::index::MAX_BACKENDS;
+use crate::route::backend::{Backend, Fleet};
+use crate::route::index::MAX_BACKENDS;
 use crate::router::Router;
 
 /// Swaps in `new`. Settings that need a restart (listen address, workers)

@@ -315,7 +315,7 @@ impl Feedback {
         let age = |i: u32| {
             ages.get(i as usize)
                 .copied()
-                .filter(|&a| a != crate::index::AGE_UNKNOWN)
+                .filter(|&a| a != crate::route::index::AGE_UNKNOWN)
         };
         let cap = f64::from_bits(self.capacity.load(Relaxed));
         if held > 0 {
@@ -516,7 +516,7 @@ mod tests {
             let f = Feedback::new(start);
             let mut rng = 12345u64;
             for _ in 0..400 {
-                rng = crate::select::mix(rng);
+                rng = crate::route::select::mix(rng);
                 let a = ages(rng % 3000);
                 // The engine holds the leading blocks younger than `real`
                 // (ages grow along the prompt).

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use monoio::net::TcpStream;
 
-use crate::backend::Backend;
-use crate::index::MAX_BACKENDS;
+use crate::route::backend::Backend;
+use crate::route::index::MAX_BACKENDS;
 
 /// A connection to a backend; counted in the backend's `open_conns` while it lives.
 pub struct BackendConn {

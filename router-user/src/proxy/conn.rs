@@ -13,15 +13,15 @@ use std::time::Instant;
 use monoio::net::TcpStream;
 use tracing::{info, warn};
 
-use crate::budget;
 use crate::config::{Config, ms};
 use crate::error::{Kind, RouterError, Side};
-use crate::extract::Extractor;
-use crate::forward::{self, Body};
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{self, BodyFraming, RequestHead};
-use crate::io::{Read, read_more, write_all};
-use crate::pool::Pool;
+use crate::proxy::budget;
+use crate::proxy::forward::{self, Body};
+use crate::proxy::io::{Read, read_more, write_all};
+use crate::proxy::pool::Pool;
+use crate::route::extract::Extractor;
 use crate::router::{PromptBlocks, RouteRequest, RouteScratch, Routed, Router};
 
 /// Buffers that grew past this for one large request are given back after it,
@@ -35,7 +35,7 @@ const KEEP_BUFFER: usize = 64 * 1024;
 pub const RETURN_ABOVE: usize = 4 * 1024 * 1024;
 /// A body buffer grows by half its size (at least one read chunk) at a
 /// time, as bytes arrive: never by the declared length up front.
-const GROW_MIN: usize = crate::io::READ_CHUNK;
+const GROW_MIN: usize = crate::proxy::io::READ_CHUNK;
 /// After a 413 or 503 with a body unread, how long the router keeps reading
 /// (and discarding) it, so the client reads the answer instead of a reset.
 const LINGER: Duration = Duration::from_secs(2);
@@ -494,13 +494,13 @@ fn grow(
     charge: &mut budget::Charge,
     end: Option<usize>,
 ) -> Result<(), RouterError> {
-    if buf.capacity() - buf.len() >= crate::io::MIN_SPARE {
+    if buf.capacity() - buf.len() >= crate::proxy::io::MIN_SPARE {
         return Ok(());
     }
     let cap = buf.capacity();
     let mut target = (cap + cap / 2).max(buf.len() + GROW_MIN);
     if let Some(end) = end {
-        target = target.min(end + crate::io::MIN_SPARE);
+        target = target.min(end + crate::proxy::io::MIN_SPARE);
     }
     if !charge.set(
         budget::charge_for([target, other]),
@@ -528,7 +528,7 @@ fn budget_spent(cfg: &Config) -> RouterError {
 async fn linger(c: &mut ClientConn) {
     use monoio::io::AsyncWriteRent;
     let _ = c.stream.shutdown().await;
-    c.buf = Vec::with_capacity(crate::io::READ_CHUNK);
+    c.buf = Vec::with_capacity(crate::proxy::io::READ_CHUNK);
     let deadline = Instant::now() + LINGER;
     loop {
         c.buf.clear();

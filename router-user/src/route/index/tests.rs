@@ -4,7 +4,7 @@ use proptest::prelude::*;
 /// Block hashes as the hasher makes them: uniformly spread, never 0.
 fn chain(start: u64, n: usize) -> Vec<u64> {
     (0..n as u64)
-        .map(|i| crate::select::mix(start.wrapping_mul(1_000_003).wrapping_add(i)) | 1)
+        .map(|i| crate::route::select::mix(start.wrapping_mul(1_000_003).wrapping_add(i)) | 1)
         .collect()
 }
 

@@ -1,0 +1,9 @@
+//! The traffic side: accept client connections, read requests, send each to
+//! the backend routing chose, stream the answer back.
+
+pub mod budget;
+pub mod conn;
+pub mod forward;
+pub mod io;
+pub mod listener;
+pub mod pool;
