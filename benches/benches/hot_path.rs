@@ -6,10 +6,10 @@
 //! it and folds the figures into its results.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use prefix_router::extract::{Endpoint, Extractor};
-use prefix_router::hash::{DEFAULT_BLOCK_BYTES, block_hashes, namespace_seed};
-use prefix_router::index::{MAX_BACKENDS, Matches, PrefixIndex};
-use prefix_router::select::{BackendLoad, Policy, RouteInput, select};
+use prefix_router::route::extract::{Endpoint, Extractor};
+use prefix_router::route::hash::{DEFAULT_BLOCK_BYTES, block_hashes, namespace_seed};
+use prefix_router::route::index::{MAX_BACKENDS, Matches, PrefixIndex};
+use prefix_router::route::select::{BackendLoad, Policy, RouteInput, select};
 use router_benches::body::chat_body;
 use std::hint::black_box;
 
@@ -55,7 +55,7 @@ fn hashing(c: &mut Criterion) {
 /// Chained-looking block hashes: `n` distinct nonzero values per prompt `p`.
 fn prompt_hashes(p: u64, n: usize) -> Vec<u64> {
     (0..n as u64)
-        .map(|i| prefix_router::select::mix(p.wrapping_mul(1 << 20) ^ i).max(1))
+        .map(|i| prefix_router::route::select::mix(p.wrapping_mul(1 << 20) ^ i).max(1))
         .collect()
 }
 
@@ -113,7 +113,7 @@ fn selection(c: &mut Criterion) {
                 eligible: true,
                 in_flight: (i % 7) as u32,
                 queued_prefill_blocks: (i % 5) as u32 * 40,
-                id_hash: prefix_router::select::mix(i as u64 + 1),
+                id_hash: prefix_router::route::select::mix(i as u64 + 1),
                 cached_blocks: (i % 4) as u32 * 500,
                 capacity_blocks: 4096,
                 prefill_rate: 600.0 + i as f32,

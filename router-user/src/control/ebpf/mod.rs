@@ -4,7 +4,7 @@
 //! per-CPU counters into typed snapshots.
 //!
 //! ```no_run
-//! # use prefix_router::ebpf::*;
+//! # use prefix_router::control::ebpf::*;
 //! # fn main() -> Result<(), EbpfError> {
 //! let backends: Vec<std::net::SocketAddr> = vec!["10.0.0.2:8000".parse().unwrap()];
 //! if let Some(load) = EbpfLoad::start(&EbpfConfig::default(), &backends)? {
