@@ -2,14 +2,16 @@
 //! commented) and command-line flags, which override the file.
 
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
+pub mod ebpf;
+
+use crate::route::MAX_BACKENDS;
 use crate::route::hash::DEFAULT_BLOCK_BYTES;
-use crate::route::index::MAX_BACKENDS;
 use crate::route::select::{Policy, PrefixParams};
 
 /// The whole configuration. Every field has a default but `backends`.
@@ -33,7 +35,7 @@ pub struct Config {
     pub admin: Admin,
     pub log: Log,
     /// The XDP connection counters (`[ebpf]`).
-    pub ebpf: crate::control::ebpf::EbpfConfig,
+    pub ebpf: ebpf::EbpfConfig,
     /// Add `x-prefix-router-backend` and `x-prefix-router-matched-blocks` to
     /// responses, keep the engine's identity headers (`server`,
     /// `x-engine-id`), and put the internal detail (backend URL, OS error)
@@ -56,7 +58,7 @@ impl Default for Config {
             health: Health::default(),
             admin: Admin::default(),
             log: Log::default(),
-            ebpf: crate::control::ebpf::EbpfConfig::default(),
+            ebpf: ebpf::EbpfConfig::default(),
             debug_headers: false,
         }
     }
@@ -452,12 +454,6 @@ pub fn backend_addr(url: &str) -> anyhow::Result<SocketAddr> {
         .with_context(|| format!("resolving backend {url:?}"))?
         .next()
         .with_context(|| format!("backend {url:?} resolves to no address"))
-}
-
-/// Where a config file was given, for reloads.
-#[derive(Clone, Debug, Default)]
-pub struct Source {
-    pub file: Option<PathBuf>,
 }
 
 #[cfg(test)]

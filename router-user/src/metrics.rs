@@ -11,11 +11,11 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-use crate::proxy::forward::Resend;
+use crate::error::Resend;
+use crate::route::MAX_BACKENDS;
 use crate::route::backend::Fleet;
-use crate::route::index::{MAX_BACKENDS, PrefixIndex};
+use crate::route::index::PrefixIndex;
 use crate::route::select::Decision;
-use crate::router::Routed;
 
 /// Status classes counted per backend: 2xx, 3xx, 4xx, 5xx, other.
 const CLASSES: [&str; 5] = ["2xx", "3xx", "4xx", "5xx", "other"];
@@ -55,16 +55,15 @@ impl Default for Metrics {
 impl Metrics {
     /// Called once per routed request: what was decided and how long the
     /// router took from the request being read to the decision.
-    pub fn observe_routing(&self, routed: &Routed, took: Duration) {
-        let d = match routed.choice.decision {
+    pub fn observe_routing(&self, decision: Decision, matched_blocks: u32, took: Duration) {
+        let d = match decision {
             Decision::Warm => 0,
             Decision::Cold => 1,
             Decision::Bounded => 2,
             Decision::Baseline => 3,
         };
         self.decisions[d].fetch_add(1, Relaxed);
-        self.matched_blocks
-            .observe(f64::from(routed.choice.matched_blocks));
+        self.matched_blocks.observe(f64::from(matched_blocks));
         self.routing_seconds.observe(took.as_secs_f64());
     }
 
@@ -144,26 +143,24 @@ impl Metrics {
                     requests.get_or_create(&l).inc_by(v);
                 }
             }
-            let s = &b.state;
-            in_flight
-                .get_or_create(&l)
-                .set(i64::from(s.in_flight.load(Relaxed)));
+            let (load, health) = (&b.load, &b.health);
+            in_flight.get_or_create(&l).set(i64::from(load.in_flight()));
             healthy
                 .get_or_create(&l)
-                .set(i64::from(s.healthy.load(Relaxed)));
+                .set(i64::from(health.is_healthy()));
             draining
                 .get_or_create(&l)
-                .set(i64::from(s.draining.load(Relaxed)));
+                .set(i64::from(health.is_draining()));
             open_conns
                 .get_or_create(&l)
-                .set(i64::from(s.open_conns.load(Relaxed)));
+                .set(i64::from(load.open_conns()));
             external
                 .get_or_create(&l)
-                .set(i64::from(s.external_conns.load(Relaxed)));
+                .set(i64::from(load.external_conns()));
             index_blocks.get_or_create(&l).set(index.len(b.slot) as i64);
             capacity
                 .get_or_create(&l)
-                .set(s.kv_blocks.load(Relaxed) as i64);
+                .set(index.capacity(b.slot) as i64);
             let f = &b.feedback;
             learned.get_or_create(&l).set(f.capacity() as i64);
             rate.get_or_create(&l).set(f.prefill_rate());
@@ -184,13 +181,17 @@ impl Metrics {
                 l.push(("kind".to_owned(), kind.to_owned()));
                 mispredictions.get_or_create(&l).inc_by(v.load(Relaxed));
             }
-            for (i, what) in ["opened", "closed", "reset", "packets", "bytes"]
-                .iter()
-                .enumerate()
-            {
+            let x = b.stats.xdp();
+            for (what, v) in [
+                ("opened", x.opened),
+                ("closed", x.closed),
+                ("reset", x.reset),
+                ("packets", x.packets),
+                ("bytes", x.bytes),
+            ] {
                 let mut l = l.clone();
-                l.push(("counter".to_owned(), (*what).to_owned()));
-                xdp.get_or_create(&l).inc_by(s.xdp[i].load(Relaxed));
+                l.push(("counter".to_owned(), what.to_owned()));
+                xdp.get_or_create(&l).inc_by(v);
             }
         }
         reg.register(

@@ -1,18 +1,23 @@
-//! The state every worker shares: configuration, fleet, prefix index, and the
-//! routing step that turns a request into a ranked choice of backends.
+//! The state every worker shares (configuration, fleet, prefix index,
+//! metrics, retry budget) and the one routing entry point, used by the
+//! proxy and `/admin/explain` alike: a request's body in, a ranked choice
+//! of backends out.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use arc_swap::ArcSwap;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::config::{Config, backend_addr};
+use crate::error::RouterError;
 use crate::metrics::Metrics;
+use crate::route::MAX_BACKENDS;
 use crate::route::backend::{Backend, Fleet};
+use crate::route::extract::{Endpoint, Extractor};
 use crate::route::feedback::{Correction, Usage};
 use crate::route::hash::{block_hashes, cold_key};
-use crate::route::index::{MAX_BACKENDS, Matches, PrefixIndex};
+use crate::route::index::{Matches, PrefixIndex};
 use crate::route::select::{self, BackendLoad, Choice, Policy, RouteInput};
 
 pub struct Router {
@@ -69,12 +74,28 @@ impl RetryBudget {
 /// Scratch space for the synchronous routing step, reused by a worker.
 #[derive(Default)]
 pub struct RouteScratch {
-    /// The canonical prompt, written by the extractor.
-    pub canonical: Vec<u8>,
+    extractor: Extractor,
+    /// The canonical prompt of the last routed request.
+    canonical: Vec<u8>,
     loads: Vec<BackendLoad>,
     matches: Vec<u32>,
     /// The last routed request's cold key (for [`Router::scores`]).
     cold_key: u64,
+}
+
+impl RouteScratch {
+    /// Bytes of the last routed request's canonical prompt.
+    pub fn canonical_len(&self) -> usize {
+        self.canonical.len()
+    }
+
+    /// Gives back parse buffers over `keep` bytes (a rare huge body).
+    pub fn shrink(&mut self, keep: usize) {
+        self.extractor = Extractor::default();
+        if self.canonical.capacity() > keep {
+            self.canonical = Vec::new();
+        }
+    }
 }
 
 /// A request's prompt blocks: their chained hashes, and the index slots the
@@ -93,16 +114,16 @@ pub struct PromptBlocks {
 pub struct Routed {
     pub choice: Choice,
     pub fleet: Arc<Fleet>,
-    /// Prompt blocks the first candidate must prefill.
-    pub uncached_blocks: u32,
 }
 
-/// What the request carries for routing.
-pub struct RouteRequest {
-    pub seed: u64,
+/// What one request gives routing.
+pub struct RouteQuery<'a> {
+    /// The endpoint whose body carries the prompt; `None` for requests
+    /// without one (e.g. `GET /v1/models`), which go to the least loaded.
+    pub endpoint: Option<Endpoint>,
+    pub body: &'a [u8],
+    /// `x-session-id`, hashed (the body's `user` stands in when absent).
     pub session: Option<u64>,
-    /// False for requests without a prompt (e.g. `GET /v1/models`).
-    pub has_prompt: bool,
 }
 
 impl Router {
@@ -137,20 +158,33 @@ impl Router {
         }))
     }
 
-    /// Hashes the canonical prompt in `scratch.canonical` into `hashes` and
-    /// ranks backends.
+    /// Routes one request: extracts its prompt (400 when the body is not
+    /// what its endpoint takes), hashes it into `blocks`, ranks backends.
     pub fn route(
         &self,
-        req: &RouteRequest,
+        query: &RouteQuery,
         scratch: &mut RouteScratch,
         blocks: &mut PromptBlocks,
-    ) -> Routed {
+    ) -> Result<Routed, RouterError> {
+        let (seed, user, has_prompt) = match query.endpoint {
+            Some(ep) => {
+                let p = scratch
+                    .extractor
+                    .extract(ep, query.body, &mut scratch.canonical)?;
+                (p.seed, p.user, true)
+            }
+            None => {
+                scratch.canonical.clear();
+                (0, None, false)
+            }
+        };
+        let session = query.session.or(user);
         let PromptBlocks { hashes, found, .. } = blocks;
         let cfg = self.config.load();
         let fleet = self.fleet.load_full();
         hashes.clear();
-        if req.has_prompt {
-            block_hashes(req.seed, &scratch.canonical, cfg.prefix.block_bytes, hashes);
+        if has_prompt {
+            block_hashes(seed, &scratch.canonical, cfg.prefix.block_bytes, hashes);
         }
         let mut matches: Matches = [0; MAX_BACKENDS];
         if cfg.policy == Policy::Prefix && !hashes.is_empty() {
@@ -160,38 +194,28 @@ impl Router {
         scratch.loads.clear();
         scratch.matches.clear();
         for b in &fleet.backends {
-            let mut load = b.load(cfg.limits.max_in_flight_per_backend);
+            let mut load = b.view(cfg.limits.max_in_flight_per_backend);
             load.cached_blocks = u32::try_from(self.index.tracked(b.slot)).unwrap_or(u32::MAX);
             scratch.loads.push(load);
             scratch.matches.push(matches[b.slot]);
         }
         same_hardware_same_rate(&mut scratch.loads);
-        scratch.cold_key = cold_key(
-            req.seed,
-            &scratch.canonical,
-            hashes,
-            cfg.prefix.cold_key_blocks,
-        );
+        scratch.cold_key = cold_key(seed, &scratch.canonical, hashes, cfg.prefix.cold_key_blocks);
         let input = RouteInput {
             matches: &scratch.matches,
             blocks: hashes.len() as u32,
             cold_key: scratch.cold_key,
-            session_key: req.session,
+            session_key: session,
             ticket: self.ticket.fetch_add(1, Relaxed),
         };
-        let policy = if req.has_prompt {
+        let policy = if has_prompt {
             cfg.policy
         } else {
             Policy::LeastRequest
         };
         // Candidates are positions in `fleet.backends`.
         let choice = select::select(policy, &input, &scratch.loads, &cfg.prefix.params());
-        let uncached_blocks = (hashes.len() as u32).saturating_sub(choice.matched_blocks);
-        Routed {
-            choice,
-            fleet,
-            uncached_blocks,
-        }
+        Ok(Routed { choice, fleet })
     }
 
     /// Every eligible backend's predicted TTFT for the request last routed
@@ -222,8 +246,20 @@ impl Router {
             .load()
             .backends
             .iter()
-            .map(|b| b.state.in_flight.load(Relaxed))
+            .map(|b| b.load.in_flight())
             .sum()
+    }
+
+    /// A request to `backend` failed (connect error, reset, 5xx, XDP resets):
+    /// after `health.passive_fall` in a row it is ejected, and forgotten by
+    /// the index, until probes pass.
+    pub fn request_failed(&self, backend: &Backend, why: &str) {
+        backend.stats.failed();
+        let fall = self.config.load().health.passive_fall;
+        if let (n, Some(_)) = backend.health.request_failed(fall) {
+            self.index.clear_backend(backend.slot);
+            warn!(backend = %backend.url, failures = n, last = why, "backend ejected after failed requests");
+        }
     }
 
     /// Records that `backend` was sent the prompt with these block hashes.
@@ -290,7 +326,7 @@ impl Router {
             return;
         }
         let slot = backend.slot;
-        let pinned = backend.state.in_flight_blocks.load(Relaxed);
+        let pinned = backend.load.in_flight_blocks();
         let held = usage.held_blocks(blocks.hashes.len() as u32);
         if held < predicted {
             // It computed what it was predicted to hold: that is allocation too.

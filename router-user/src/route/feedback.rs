@@ -20,7 +20,7 @@
 //! TensorRT-LLM) converges to what it really keeps. The same reports teach
 //! each engine's prefill rate from the time to the first streamed byte.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use memchr::memmem;
 
@@ -232,6 +232,9 @@ pub struct Feedback {
     /// The capacity the engine published or the config gives, in index
     /// blocks (0: unknown): the estimate starts there and never exceeds it.
     pub known_capacity: AtomicUsize,
+    /// The engine's published capacity was looked for (once, after its
+    /// first passed probe).
+    capacity_looked_up: AtomicBool,
 }
 
 impl Feedback {
@@ -251,6 +254,7 @@ impl Feedback {
             prefill_rate: AtomicU64::new(0f64.to_bits()),
             rate_samples: AtomicU32::new(0),
             known_capacity: AtomicUsize::new(0),
+            capacity_looked_up: AtomicBool::new(false),
         }
     }
 
@@ -258,6 +262,12 @@ impl Feedback {
     pub fn set_known_capacity(&self, blocks: usize) {
         self.known_capacity.store(blocks, Relaxed);
         self.capacity.store((blocks as f64).to_bits(), Relaxed);
+    }
+
+    /// True the first time it is called: the caller looks up the engine's
+    /// published capacity then.
+    pub fn first_capacity_lookup(&self) -> bool {
+        !self.capacity_looked_up.swap(true, Relaxed)
     }
 
     /// The learned capacity in the router's blocks.

@@ -3,6 +3,10 @@
 //! holds which (index), what the engines' answers taught (feedback), the
 //! fleet's live facts (backend) and the ranking of backends (select).
 
+/// The most backends a fleet holds: the index keeps one bit per backend in
+/// each block's owner mask, and every per-backend table has this many slots.
+pub const MAX_BACKENDS: usize = 64;
+
 pub mod backend;
 pub mod extract;
 pub mod feedback;
