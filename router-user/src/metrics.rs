@@ -104,7 +104,14 @@ impl Metrics {
     }
 
     /// Prometheus text exposition of everything the router knows.
-    pub fn render(&self, fleet: &Fleet, index: &PrefixIndex, policy: &str) -> String {
+    /// `buffered_body_bytes`: what the proxy buffers now (`budget::in_use`).
+    pub fn render(
+        &self,
+        fleet: &Fleet,
+        index: &PrefixIndex,
+        policy: &str,
+        buffered_body_bytes: usize,
+    ) -> String {
         let mut reg = Registry::with_prefix("prefix_router");
         // Counters are rebuilt at each scrape from the data path's atomics.
         let requests = Family::<Vec<(String, String)>, Counter>::default();
@@ -329,7 +336,7 @@ impl Metrics {
             resends,
         );
         let buffered = Gauge::<i64>::default();
-        buffered.set(crate::proxy::budget::in_use() as i64);
+        buffered.set(buffered_body_bytes as i64);
         reg.register(
             "buffered_body_bytes",
             "Request body bytes buffered now, against limits.max_buffered_body_bytes",

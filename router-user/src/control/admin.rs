@@ -70,7 +70,12 @@ fn handle(router: &Router, req: &Request, reload: &Reloader) -> Reply {
             let text =
                 router
                     .metrics
-                    .render(&router.fleet.load(), &router.index, cfg.policy.name());
+                    .render(
+                        &router.fleet.load(),
+                        &router.index,
+                        cfg.policy.name(),
+                        crate::proxy::budget::in_use(),
+                    );
             Reply {
                 status: 200,
                 content_type: "text/plain; version=0.0.4",
