@@ -212,6 +212,17 @@ impl Router {
         policy: &str,
         args: &[String],
     ) -> anyhow::Result<Router> {
+        let urls: Vec<String> = engines.iter().map(Engine::url).collect();
+        Self::start_urls(bins, &urls, policy, args)
+    }
+
+    /// [`Router::start`] in front of engines given by URL (`http://host:port`).
+    pub fn start_urls(
+        bins: &Bins,
+        urls: &[String],
+        policy: &str,
+        args: &[String],
+    ) -> anyhow::Result<Router> {
         let port = testkit::proc::free_port();
         let admin_port = testkit::proc::free_port();
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
@@ -222,8 +233,8 @@ impl Router {
             .args(["--policy", policy])
             .args(["--log-level", "warn"])
             .args(args);
-        for e in engines {
-            cmd.args(["--backend", &e.url()]);
+        for u in urls {
+            cmd.args(["--backend", u]);
         }
         let mut child = Child::spawn(cmd, "prefix-router")?;
         child.wait_port(addr)?;

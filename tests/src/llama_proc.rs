@@ -124,17 +124,7 @@ impl LlamaServer {
 
     fn spawn_once(paths: &LlamaPaths, slots: usize, extra: &[&str]) -> Result<LlamaServer, String> {
         let port = free_port();
-        let mut cmd = Command::new(&paths.server);
-        cmd.arg("-m")
-            .arg(&paths.model)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["-np", &slots.to_string()])
-            .args(["-c", &(CTX_PER_SLOT * slots).to_string()])
-            .args(["-t", "1", "-tb", "1"])
-            .args(["--alias", MODEL_ALIAS])
-            .args(["--metrics", "--slots", "--jinja", "--no-warmup"])
-            .args(["--cache-ram", "0"])
-            .args(extra);
+        let cmd = command(paths, port, slots, extra);
         let child = Spawned::spawn(cmd, "llama-server").map_err(|e| e.to_string())?;
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse().expect("addr");
         let mut s = LlamaServer { addr, child, slots };
@@ -177,6 +167,23 @@ impl LlamaServer {
         let _ = self.child.child.kill();
         let _ = self.child.child.wait();
     }
+}
+
+/// The `llama-server` command line of [`LlamaServer::spawn`] on `port`
+/// (for harnesses that manage the process themselves).
+pub fn command(paths: &LlamaPaths, port: u16, slots: usize, extra: &[&str]) -> Command {
+    let mut cmd = Command::new(&paths.server);
+    cmd.arg("-m")
+        .arg(&paths.model)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["-np", &slots.to_string()])
+        .args(["-c", &(CTX_PER_SLOT * slots).to_string()])
+        .args(["-t", "1", "-tb", "1"])
+        .args(["--alias", MODEL_ALIAS])
+        .args(["--metrics", "--slots", "--jinja", "--no-warmup"])
+        .args(["--cache-ram", "0"])
+        .args(extra);
+    cmd
 }
 
 /// The value of the first sample of `name` in Prometheus text.
