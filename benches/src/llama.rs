@@ -208,7 +208,10 @@ pub fn run(bins: &Bins, cfg: &LlamaCfg, out: &Path) -> anyhow::Result<PathBuf> {
                 row.per_server,
                 started.elapsed().as_secs_f64()
             );
-            write_records(&out.join(format!("records-{policy}-seed{seed}.jsonl")), &records)?;
+            write_records(
+                &out.join(format!("records-{policy}-seed{seed}.jsonl")),
+                &records,
+            )?;
             ttft_series.push((
                 seed,
                 policy.clone(),
@@ -365,7 +368,10 @@ fn markdown(r: &LlamaResults, t: &Table) -> String {
     for (c, ok) in &r.checks {
         let _ = writeln!(m, "- {} {c}", if *ok { "PASS" } else { "FAIL" });
     }
-    let _ = writeln!(m, "\n## Hit rate per policy and seed\n\n![hit rate](hit-rate.svg)\n");
+    let _ = writeln!(
+        m,
+        "\n## Hit rate per policy and seed\n\n![hit rate](hit-rate.svg)\n"
+    );
     for s in &c.seeds {
         let _ = writeln!(
             m,
