@@ -67,12 +67,15 @@ fn handle(router: &Router, req: &Request, reload: &Reloader) -> Reply {
         ("GET", "/health") => Reply::text(200, "ok\n"),
         ("GET", "/metrics") => {
             let cfg = router.config.load();
-            let text = router.metrics.render(
-                &router.fleet.load(),
-                &router.index,
-                cfg.policy.name(),
-                crate::proxy::budget::in_use(),
-            );
+            let text =
+                router
+                    .metrics
+                    .render(
+                        &router.fleet.load(),
+                        &router.index,
+                        cfg.policy.name(),
+                        crate::proxy::budget::in_use(),
+                    );
             Reply {
                 status: 200,
                 content_type: "text/plain; version=0.0.4",
