@@ -13,6 +13,7 @@ pub mod ebpf;
 use crate::route::MAX_BACKENDS;
 use crate::route::hash::DEFAULT_BLOCK_BYTES;
 use crate::route::select::{Policy, PrefixParams};
+use crate::route::slots::EngineKind;
 
 /// The whole configuration. Every field has a default but `backends`.
 #[derive(Clone, Debug, Deserialize)]
@@ -73,6 +74,12 @@ pub enum BackendConfig {
         url: String,
         /// KV-cache capacity in blocks; overrides `prefix.kv_blocks` and the engine's own report.
         kv_blocks: Option<usize>,
+        /// How its cache is modelled; overrides `prefix.engine`.
+        #[serde(default)]
+        engine: Option<EngineKind>,
+        /// Slot engines: its slot count; overrides what `/props` says.
+        #[serde(default)]
+        slots: Option<usize>,
     },
 }
 
@@ -87,6 +94,14 @@ impl BackendConfig {
         match self {
             BackendConfig::Url(_) => None,
             BackendConfig::Table { kv_blocks, .. } => *kv_blocks,
+        }
+    }
+
+    /// Its own engine kind and slot count, if the table sets them.
+    pub fn engine(&self) -> (Option<EngineKind>, Option<usize>) {
+        match self {
+            BackendConfig::Url(_) => (None, None),
+            BackendConfig::Table { engine, slots, .. } => (*engine, *slots),
         }
     }
 }
@@ -148,6 +163,15 @@ pub struct PrefixConfig {
     /// engine's blocks, learn capacities nobody published. Off, the
     /// prediction error is still measured and exported.
     pub learn_from_answers: bool,
+    /// How backends' caches are modelled: `auto` (a backend whose `/props`
+    /// answers `total_slots`, llama.cpp's, is a slot engine, any other a
+    /// block cache), `blocks` (vLLM-like: the prefix index) or `slots`
+    /// (llama.cpp-like: one prompt per slot, `route::slots`).
+    pub engine: EngineKind,
+    /// Slot engines: cost of each block of a live conversation's prompt
+    /// that a request would overwrite by taking its slot, in blocks of
+    /// prefill. 1: that conversation recomputes it on its next turn.
+    pub slot_evict_cost: f64,
 }
 
 impl Default for PrefixConfig {
@@ -167,6 +191,8 @@ impl Default for PrefixConfig {
             kv_blocks: 65_536,
             read_kv_capacity: true,
             learn_from_answers: true,
+            engine: EngineKind::Auto,
+            slot_evict_cost: 1.0,
         }
     }
 }

@@ -67,15 +67,12 @@ fn handle(router: &Router, req: &Request, reload: &Reloader) -> Reply {
         ("GET", "/health") => Reply::text(200, "ok\n"),
         ("GET", "/metrics") => {
             let cfg = router.config.load();
-            let text =
-                router
-                    .metrics
-                    .render(
-                        &router.fleet.load(),
-                        &router.index,
-                        cfg.policy.name(),
-                        crate::proxy::budget::in_use(),
-                    );
+            let text = router.metrics.render(
+                &router.fleet.load(),
+                &router.index,
+                cfg.policy.name(),
+                crate::proxy::budget::in_use(),
+            );
             Reply {
                 status: 200,
                 content_type: "text/plain; version=0.0.4",
@@ -141,6 +138,8 @@ fn backends_json(router: &Router) -> serde_json::Value {
                 "index_blocks": blocks,
                 "index_share": blocks as f64 / total,
                 "kv_blocks": router.index.capacity(b.slot),
+                "engine": if b.slots.is_slot_engine() { "slots" } else { "blocks" },
+                "slots": b.slots.count(),
                 "learned_capacity_blocks": b.feedback.capacity(),
                 "capacity_known": b.feedback.known_capacity.load(Relaxed) > 0,
                 "prefill_blocks_per_s": b.feedback.prefill_rate(),
