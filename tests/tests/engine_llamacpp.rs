@@ -2,8 +2,8 @@
 //! `cargo xtask setup`, a random-weight GGUF model, 2 slots and 1 thread
 //! each): what a user of the OpenAI API would notice. Chat and completions,
 //! JSON and SSE, `usage` and `cached_tokens` as the engine wrote them,
-//! `/v1/models`, health from llama-server's own `/health`, and a server
-//! killed in the middle of a stream.
+//! `/v1/models`, health from llama-server's own `/health`, its slot count
+//! read from `/props`, and a server killed in the middle of a stream.
 //!
 //! Without the build these tests print why and pass, except under
 //! `CI=true`, where they fail (`testkit::llama_proc::require`). The tests of
@@ -254,6 +254,14 @@ fn models_and_health_come_from_llama_server() {
         .filter_map(|d| d["id"].as_str().map(str::to_string))
         .collect();
     assert!(ids.iter().any(|i| i == MODEL_ALIAS), "{ids:?}");
+
+    // The router read the slot count llama-server publishes (`/props`) and
+    // models each server as a slot engine.
+    for s in &f.servers {
+        let b = f.router.backend(&s.url());
+        assert_eq!(b["engine"], "slots", "{b}");
+        assert_eq!(b["slots"], 2, "{b}");
+    }
 
     // A server that dies is found out by the router's probes of /health.
     let dead = f.servers[0].url();

@@ -243,7 +243,8 @@ fn write_model(home: &Path, py: &Path) -> anyhow::Result<()> {
         Command::new(py).arg(&script).arg(&tmp),
         "write the random-weight GGUF model",
     )?;
-    std::fs::rename(&tmp, &out)?;
+    std::fs::rename(&tmp, &out)
+        .with_context(|| format!("the model script wrote no {}", tmp.display()))?;
     eprintln!("setup: model {}", out.display());
     Ok(())
 }
