@@ -33,6 +33,11 @@ pub struct Backend {
     pub feedback: Feedback,
     /// What its slots hold, when it is a slot engine (llama.cpp).
     pub slots: SlotCache,
+    /// It closes the connection after every streamed (chunked) answer
+    /// without saying so (llama.cpp's `llama-server` does): such
+    /// connections are not pooled. Set by engine detection, or learned when
+    /// a connection pooled after a stream is found closed at once.
+    pub closes_after_stream: AtomicBool,
 }
 
 /// The next `Backend::generation`.
@@ -252,6 +257,7 @@ impl Backend {
             stats: Stats::default(),
             feedback: Feedback::new(kv_blocks),
             slots: SlotCache::default(),
+            closes_after_stream: AtomicBool::new(false),
         }
     }
 

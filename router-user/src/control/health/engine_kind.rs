@@ -4,6 +4,7 @@
 //! with its `total_slots`; vLLM, SGLang and the simulated engine answer it
 //! with a 404, and stay block caches.
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use tracing::{info, warn};
@@ -40,7 +41,9 @@ pub fn detect(router: &Router, b: &Backend, timeout: Duration) {
     match slots {
         Some(n) => {
             b.slots.set_count(n);
-            info!(backend = %b.url, slots = n, "slot engine: /props reports total_slots");
+            // llama-server ends every stream by closing the connection.
+            b.closes_after_stream.store(true, Relaxed);
+            info!(backend = %b.url, slots = n, "slot engine (llama.cpp): /props reports total_slots");
         }
         None if kind == EngineKind::Slots => {
             warn!(backend = %b.url, "configured as a slot engine, but /props tells no slot count: set `slots` for it; modelled as a block cache");
