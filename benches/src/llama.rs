@@ -136,6 +136,7 @@ fn run_one(
         .collect::<anyhow::Result<_>>()?;
     let urls: Vec<String> = servers.iter().map(Server::url).collect();
     let router = Router::start_urls(bins, &urls, policy, &cfg.router_args)?;
+    wait_engine_kind(&router, urls.len());
     let mut rc = RunConfig::new(router.url(), cfg.scenario.clone());
     rc.users = cfg.users;
     rc.requests = Some(cfg.requests);
@@ -162,6 +163,32 @@ fn run_one(
         },
         records,
     ))
+}
+
+/// How long the router may take to probe the servers and read their slot
+/// counts (its first health probe does, within a second of start).
+const DETECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Waits until the router models all `n` servers as slot engines, as it
+/// does once its first probe read their `/props`; traffic before that would
+/// be placed as on block caches. Says so and goes on if it does not happen.
+fn wait_engine_kind(router: &Router, n: usize) {
+    let deadline = Instant::now() + DETECT_TIMEOUT;
+    while Instant::now() < deadline {
+        let Ok(r) = testkit::http::request(router.admin, "GET", "/admin/backends", &[], b"") else {
+            std::thread::sleep(Duration::from_millis(50));
+            continue;
+        };
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap_or_default();
+        let slots = v["backends"]
+            .as_array()
+            .map_or(0, |l| l.iter().filter(|b| b["engine"] == "slots").count());
+        if slots == n {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("llama: the router did not report the servers as slot engines within {DETECT_TIMEOUT:?}");
 }
 
 /// `requests` of each backend in the router's `/admin/backends`.

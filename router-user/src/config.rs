@@ -172,6 +172,13 @@ pub struct PrefixConfig {
     /// that a request would overwrite by taking its slot, in blocks of
     /// prefill. 1: that conversation recomputes it on its next turn.
     pub slot_evict_cost: f64,
+    /// Slot engines: cost, in blocks of prefill, of taking a live
+    /// conversation's slot at all, on top of its blocks: it will want its
+    /// slot back next turn, and on an engine with more live conversations
+    /// than slots they keep evicting each other. 64 (as
+    /// `overload_cost_blocks`): a new conversation goes to an engine with a
+    /// free slot even if another holds its system prompt.
+    pub slot_live_evict_blocks: f64,
 }
 
 impl Default for PrefixConfig {
@@ -193,6 +200,7 @@ impl Default for PrefixConfig {
             learn_from_answers: true,
             engine: EngineKind::Auto,
             slot_evict_cost: 1.0,
+            slot_live_evict_blocks: 64.0,
         }
     }
 }

@@ -203,8 +203,13 @@ impl Router {
                 // A slot engine: what the slot it would take holds.
                 let p = b.slots.predict(hashes, ticket, load.in_flight, fleet_slots);
                 m = p.cached_blocks;
+                let live = if p.evicts_live {
+                    cfg.prefix.slot_live_evict_blocks
+                } else {
+                    0.0
+                };
                 load.evict_cost_blocks =
-                    (f64::from(p.evicted_blocks) * cfg.prefix.slot_evict_cost) as f32;
+                    (f64::from(p.evicted_blocks) * cfg.prefix.slot_evict_cost + live) as f32;
             }
             scratch.loads.push(load);
             scratch.matches.push(m);

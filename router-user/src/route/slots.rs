@@ -73,6 +73,9 @@ pub struct SlotPrediction {
     pub cached_blocks: u32,
     /// Blocks of a live conversation's prompt the request would overwrite.
     pub evicted_blocks: u32,
+    /// It would take the slot of a live conversation (one that is not a
+    /// prefix of this request): that conversation loses its slot.
+    pub evicts_live: bool,
     /// The slot it would take.
     pub slot: usize,
 }
@@ -172,12 +175,18 @@ impl SlotCache {
             return SlotPrediction::default();
         }
         // The `in_flight` most recently used slots are busy: llama-server
-        // never gives a request a slot that is processing.
+        // never gives a request a slot that is processing. When all are, the
+        // request waits and takes the first that frees up, by the same rule:
+        // then every slot is a candidate.
         let mut stamps: [u64; MAX_SLOTS] = [0; MAX_SLOTS];
         for (i, s) in slots.iter().enumerate() {
             stamps[i] = s.last.load(Relaxed);
         }
-        let busy = (in_flight as usize).min(n);
+        let busy = if (in_flight as usize) < n {
+            in_flight as usize
+        } else {
+            0
+        };
         let mut order: [usize; MAX_SLOTS] = std::array::from_fn(|i| i);
         order[..n].sort_unstable_by(|&a, &b| stamps[b].cmp(&stamps[a]));
         let is_busy = |i: usize| order[..busy].contains(&i);
@@ -186,16 +195,14 @@ impl SlotCache {
         let mut best: Option<(usize, usize, usize)> = None; // (slot, common, held)
         let mut best_sim = SLOT_SIMILARITY;
         let mut lru: Option<usize> = None;
-        let mut longest_anywhere = 0;
         for (i, s) in slots.iter().enumerate() {
+            if is_busy(i) {
+                continue;
+            }
             let held = s.prompt.load();
             let (common, len) = held
                 .as_deref()
                 .map_or((0, 0), |p| (common_prefix(hashes, p), p.len()));
-            longest_anywhere = longest_anywhere.max(common);
-            if is_busy(i) {
-                continue;
-            }
             if len > 0 && !hashes.is_empty() {
                 let sim = common as f64 / hashes.len() as f64;
                 if sim > best_sim {
@@ -217,19 +224,14 @@ impl SlotCache {
             })
         });
         let Some((slot, common, held)) = pick else {
-            // Every slot is busy: the request waits for one; it will most
-            // likely reuse its own conversation's if that one finishes.
-            return SlotPrediction {
-                cached_blocks: longest_anywhere as u32,
-                evicted_blocks: 0,
-                slot: order[0],
-            };
+            return SlotPrediction::default();
         };
         let live = stamps[slot] > 0 && now.saturating_sub(stamps[slot]) <= live_window;
         let evicted = if live { held - common } else { 0 };
         SlotPrediction {
             cached_blocks: common as u32,
             evicted_blocks: evicted as u32,
+            evicts_live: evicted > 0,
             slot,
         }
     }
@@ -307,11 +309,9 @@ mod tests {
         // is empty and the least recently used.
         let p = c.predict(&prompt(3, 3, 2), 7, 1, 3);
         assert_eq!((p.slot, p.cached_blocks, p.evicted_blocks), (2, 0, 0));
-        // With conversation 2 running, its continuation waits for its slot.
-        let c = cache(1);
-        c.dispatched(0, &prompt(2, 2, 10), 6);
-        let p = c.predict(&prompt(2, 2, 12), 7, 1, 1);
-        assert_eq!((p.cached_blocks, p.evicted_blocks), (30, 0));
+        // Every slot running: the request waits and takes one as it frees up.
+        let p = c.predict(&prompt(1, 3, 2), 7, 3, 3);
+        assert_eq!((p.slot, p.cached_blocks, p.evicted_blocks), (0, 20, 10));
     }
 
     #[test]
