@@ -66,7 +66,8 @@ impl Default for LlamaCfg {
                 max_tokens: 12,
                 ..Scenario::new(ScenarioKind::Chat)
             },
-            router_args: Vec::new(),
+            // The records name the server that answered.
+            router_args: vec!["--debug-headers".into()],
         }
     }
 }
@@ -188,7 +189,9 @@ fn wait_engine_kind(router: &Router, n: usize) {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    eprintln!("llama: the router did not report the servers as slot engines within {DETECT_TIMEOUT:?}");
+    eprintln!(
+        "llama: the router did not report the servers as slot engines within {DETECT_TIMEOUT:?}"
+    );
 }
 
 /// `requests` of each backend in the router's `/admin/backends`.

@@ -264,7 +264,7 @@ fn main() -> anyhow::Result<()> {
                 requests: a.requests,
                 seeds: a.seeds,
                 policies: a.policies,
-                router_args: a.router_args,
+                router_args: [vec!["--debug-headers".to_string()], a.router_args].concat(),
                 ..Default::default()
             };
             let report = router_benches::llama::run(&bins, &cfg, &out)?;
