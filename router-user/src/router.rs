@@ -208,8 +208,10 @@ impl Router {
                 } else {
                     0.0
                 };
+                // Every slot running: it waits for a whole request first.
+                let wait = f64::from(p.waits) * cfg.prefix.overload_cost_blocks;
                 load.evict_cost_blocks =
-                    (f64::from(p.evicted_blocks) * cfg.prefix.slot_evict_cost + live) as f32;
+                    (f64::from(p.evicted_blocks) * cfg.prefix.slot_evict_cost + live + wait) as f32;
             }
             scratch.loads.push(load);
             scratch.matches.push(m);
@@ -295,6 +297,9 @@ impl Router {
                 .slots
                 .predict(&blocks.hashes, now, in_flight, fleet_slots(&fleet));
             backend.slots.dispatched(p.slot, &blocks.hashes, now);
+            for other in fleet.backends.iter().filter(|b| b.slot != backend.slot) {
+                other.slots.moved_away(&blocks.hashes);
+            }
             return;
         }
         self.index.insert_aging(

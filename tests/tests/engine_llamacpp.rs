@@ -393,3 +393,30 @@ fn a_server_killed_mid_stream_cuts_that_stream_only() {
     }
     assert!(f.router.child.is_running(), "the router survived the crash");
 }
+
+#[test]
+fn back_to_back_streams_all_complete() {
+    // llama-server closes the connection after every streamed answer
+    // without a `Connection: close`; a router that pooled it would race the
+    // close with the next request and answer 502.
+    let Some(paths) = require("back_to_back_streams_all_complete") else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let f = Fleet::start(&paths, 1);
+    for i in 0..12 {
+        let s = f.post(
+            "/v1/chat/completions",
+            &chat(&system_prompt(), &format!("turn {i}"), 2, true),
+        );
+        assert_eq!(s.status, 200, "request {i}: {}", s.text());
+        sse_events(&s);
+    }
+    let m = f.router.metrics();
+    let unanswered: f64 = m
+        .lines()
+        .filter(|l| l.starts_with("prefix_router_unanswered_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(unanswered, 0.0, "no request went unanswered:\n{m}");
+}

@@ -81,8 +81,9 @@ pub struct BackendLoad {
     pub capacity_blocks: u32,
     /// Prefill rate in blocks per second, learned from observed TTFTs (0: unknown).
     pub prefill_rate: f32,
-    /// Slot engines: blocks of a live conversation this request would
-    /// overwrite there, times their cost (`route::slots`); 0 elsewhere.
+    /// Slot engines: the cost in blocks of the slot this request would take
+    /// there (a live conversation's blocks it overwrites, the wait when
+    /// every slot is running; `route::slots`); 0 elsewhere.
     pub evict_cost_blocks: f32,
 }
 

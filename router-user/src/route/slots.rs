@@ -64,6 +64,8 @@ struct Slot {
     prompt: ArcSwapOption<Vec<u64>>,
     /// The router's request counter at that dispatch (0: never used).
     last: AtomicU64,
+    /// Its conversation went on elsewhere: nobody will come back for it.
+    left: AtomicBool,
 }
 
 /// What a request would find on a slot engine.
@@ -78,6 +80,9 @@ pub struct SlotPrediction {
     pub evicts_live: bool,
     /// The slot it would take.
     pub slot: usize,
+    /// Every slot is running a request: it waits for this many to finish
+    /// first (0: a slot is idle).
+    pub waits: u32,
 }
 
 /// The router's picture of one slot engine's slots.
@@ -156,6 +161,7 @@ impl SlotCache {
         for s in self.slots.iter() {
             s.prompt.store(None);
             s.last.store(0, Relaxed);
+            s.left.store(false, Relaxed);
         }
     }
 
@@ -182,10 +188,10 @@ impl SlotCache {
         for (i, s) in slots.iter().enumerate() {
             stamps[i] = s.last.load(Relaxed);
         }
-        let busy = if (in_flight as usize) < n {
-            in_flight as usize
+        let (busy, waits) = if (in_flight as usize) < n {
+            (in_flight as usize, 0)
         } else {
-            0
+            (0, in_flight + 1 - n as u32)
         };
         let mut order: [usize; MAX_SLOTS] = std::array::from_fn(|i| i);
         order[..n].sort_unstable_by(|&a, &b| stamps[b].cmp(&stamps[a]));
@@ -226,13 +232,16 @@ impl SlotCache {
         let Some((slot, common, held)) = pick else {
             return SlotPrediction::default();
         };
-        let live = stamps[slot] > 0 && now.saturating_sub(stamps[slot]) <= live_window;
+        let live = stamps[slot] > 0
+            && !slots[slot].left.load(Relaxed)
+            && now.saturating_sub(stamps[slot]) <= live_window;
         let evicted = if live { held - common } else { 0 };
         SlotPrediction {
             cached_blocks: common as u32,
             evicted_blocks: evicted as u32,
             evicts_live: evicted > 0,
             slot,
+            waits,
         }
     }
 
@@ -245,6 +254,22 @@ impl SlotCache {
         let s = &self.slots[slot];
         s.prompt.store(Some(Arc::new(hashes.to_vec())));
         s.last.store(now.max(1), Relaxed);
+        s.left.store(false, Relaxed);
+    }
+
+    /// The prompt `hashes` was sent to another engine: a slot here whose
+    /// prompt it extends held the same conversation, which has left it (the
+    /// slot still holds the prompt, but taking it evicts nobody live).
+    pub fn moved_away(&self, hashes: &[u64]) {
+        for s in &self.slots[..self.count()] {
+            let held = s.prompt.load();
+            if let Some(p) = held.as_deref()
+                && !p.is_empty()
+                && common_prefix(hashes, p) == p.len()
+            {
+                s.left.store(true, Relaxed);
+            }
+        }
     }
 }
 
@@ -301,6 +326,21 @@ mod tests {
     }
 
     #[test]
+    fn a_slot_whose_conversation_moved_away_is_free() {
+        let c = cache(2);
+        c.dispatched(0, &prompt(1, 1, 10), 1);
+        c.dispatched(1, &prompt(2, 2, 10), 2);
+        // Conversation 1 went on on another engine.
+        c.moved_away(&prompt(1, 1, 12));
+        let p = c.predict(&prompt(1, 3, 2), 3, 0, 2);
+        assert_eq!((p.slot, p.cached_blocks), (0, 20));
+        assert!(!p.evicts_live, "{p:?}");
+        // Taking the slot makes it live again.
+        c.dispatched(0, &prompt(1, 3, 2), 3);
+        assert!(c.predict(&prompt(1, 4, 2), 4, 0, 2).evicts_live);
+    }
+
+    #[test]
     fn busy_slots_are_skipped_and_empty_ones_taken_first() {
         let c = cache(3);
         c.dispatched(0, &prompt(1, 1, 10), 5);
@@ -312,6 +352,8 @@ mod tests {
         // Every slot running: the request waits and takes one as it frees up.
         let p = c.predict(&prompt(1, 3, 2), 7, 3, 3);
         assert_eq!((p.slot, p.cached_blocks, p.evicted_blocks), (0, 20, 10));
+        assert_eq!(p.waits, 1);
+        assert_eq!(c.predict(&prompt(1, 3, 2), 7, 2, 3).waits, 0);
     }
 
     #[test]
