@@ -108,6 +108,9 @@ pub struct PromptBlocks {
     /// Each block's age on the chosen backend when it was sent (see
     /// `PrefixIndex::insert_aging`), for the closed loop.
     pub ages: Vec<u64>,
+    /// The slot a slot engine was predicted to give the request being sent
+    /// (the `InFlight` guard holds it until the attempt ends).
+    pub slot: Option<usize>,
 }
 
 /// What routing decided for one request.
@@ -284,6 +287,7 @@ impl Router {
     /// `matched`: blocks of it the index said the backend held.
     pub fn learn(&self, backend: &Backend, blocks: &mut PromptBlocks, matched: u32) {
         blocks.ages.clear();
+        blocks.slot = None;
         if blocks.hashes.is_empty() || self.config.load().policy != Policy::Prefix {
             return;
         }
@@ -296,7 +300,7 @@ impl Router {
             let p = backend
                 .slots
                 .predict(&blocks.hashes, now, in_flight, fleet_slots(&fleet));
-            backend.slots.dispatched(p.slot, &blocks.hashes, now);
+            blocks.slot = backend.slots.dispatched(p.slot, &blocks.hashes, now);
             for other in fleet.backends.iter().filter(|b| b.slot != backend.slot) {
                 other.slots.moved_away(&blocks.hashes);
             }
