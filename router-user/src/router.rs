@@ -206,15 +206,14 @@ impl Router {
                 // A slot engine: what the slot it would take holds.
                 let p = b.slots.predict(hashes, ticket, load.in_flight, fleet_slots);
                 m = p.cached_blocks;
-                let live = if p.evicts_live {
-                    cfg.prefix.slot_live_evict_blocks
-                } else {
-                    0.0
-                };
+                // A live conversation's slot: its blocks and the slot
+                // itself, weighed by how likely it is still going.
+                let evict = (f64::from(p.evicted_blocks) * cfg.prefix.slot_evict_cost
+                    + cfg.prefix.slot_live_evict_blocks)
+                    * f64::from(p.live_weight);
                 // Every slot running: it waits for a whole request first.
                 let wait = f64::from(p.waits) * cfg.prefix.overload_cost_blocks;
-                load.evict_cost_blocks =
-                    (f64::from(p.evicted_blocks) * cfg.prefix.slot_evict_cost + live + wait) as f32;
+                load.evict_cost_blocks = (evict + wait) as f32;
             }
             scratch.loads.push(load);
             scratch.matches.push(m);

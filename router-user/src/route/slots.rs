@@ -72,7 +72,7 @@ struct Slot {
 }
 
 /// What a request would find on a slot engine.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct SlotPrediction {
     /// Leading blocks of the request the engine would reuse.
     pub cached_blocks: u32,
@@ -81,6 +81,11 @@ pub struct SlotPrediction {
     /// It would take the slot of a live conversation (one that is not a
     /// prefix of this request): that conversation loses its slot.
     pub evicts_live: bool,
+    /// How likely that conversation is still going: 1 for a slot used by
+    /// the last request, falling linearly to 0 at the live window's end
+    /// (the older of two live-looking slots is the likelier to hold a
+    /// conversation that ended). 0 when nothing live is evicted.
+    pub live_weight: f32,
     /// The slot it would take.
     pub slot: usize,
     /// Every slot is running a request: it waits for this many to finish
@@ -237,14 +242,18 @@ impl SlotCache {
         let Some((slot, common, held)) = pick else {
             return SlotPrediction::default();
         };
-        let live = stamps[slot] > 0
-            && !slots[slot].left.load(Relaxed)
-            && now.saturating_sub(stamps[slot]) <= live_window;
+        let age = now.saturating_sub(stamps[slot]);
+        let live = stamps[slot] > 0 && !slots[slot].left.load(Relaxed) && age <= live_window;
         let evicted = if live { held - common } else { 0 };
         SlotPrediction {
             cached_blocks: common as u32,
             evicted_blocks: evicted as u32,
             evicts_live: evicted > 0,
+            live_weight: if evicted > 0 {
+                1.0 - age.saturating_sub(1) as f32 / (live_window + 1) as f32
+            } else {
+                0.0
+            },
             slot,
             waits,
         }
