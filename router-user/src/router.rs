@@ -11,7 +11,7 @@ use tracing::{info, warn};
 
 use crate::config::{Config, backend_addr};
 use crate::error::RouterError;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Sources};
 use crate::route::MAX_BACKENDS;
 use crate::route::backend::{Backend, Fleet};
 use crate::route::extract::{Endpoint, Extractor};
@@ -21,9 +21,9 @@ use crate::route::index::{Matches, PrefixIndex};
 use crate::route::select::{self, BackendLoad, Choice, Policy, RouteInput};
 
 pub struct Router {
-    pub config: ArcSwap<Config>,
-    pub fleet: ArcSwap<Fleet>,
-    pub index: PrefixIndex,
+    pub config: Arc<ArcSwap<Config>>,
+    pub fleet: Arc<ArcSwap<Fleet>>,
+    pub index: Arc<PrefixIndex>,
     pub metrics: Metrics,
     /// Round-robin counter and random stream.
     ticket: AtomicU64,
@@ -146,11 +146,19 @@ impl Router {
             backends.push(Arc::new(backend));
             index.set_capacity(slot, kv);
         }
+        let config = Arc::new(ArcSwap::from_pointee(config));
+        let fleet = Arc::new(ArcSwap::from_pointee(Fleet { backends }));
+        let index = Arc::new(index);
+        let metrics = Metrics::new(Sources {
+            config: config.clone(),
+            fleet: fleet.clone(),
+            index: index.clone(),
+        });
         Ok(Arc::new(Router {
-            config: ArcSwap::from_pointee(config),
-            fleet: ArcSwap::from_pointee(Fleet { backends }),
+            config,
+            fleet,
             index,
-            metrics: Metrics::default(),
+            metrics,
             ticket: AtomicU64::new(0),
             client_conns: AtomicUsize::new(0),
             retry_budget: RetryBudget::new(budget_percent),

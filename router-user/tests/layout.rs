@@ -13,7 +13,7 @@ const MAY_USE: &[(&str, &[&str])] = &[
     ("http", &["error"]),
     ("route", &["error"]),
     ("config", &["error", "http", "route"]),
-    ("metrics", &["error", "route"]),
+    ("metrics", &["error", "config", "route"]),
     ("router", &["error", "config", "route", "metrics"]),
     (
         "proxy",

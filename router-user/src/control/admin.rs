@@ -9,7 +9,6 @@ mod serve;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 
 use serde_json::json;
 use tracing::info;
@@ -66,16 +65,7 @@ fn handle(router: &Router, req: &Request, reload: &Reloader) -> Reply {
     match (req.method, req.path) {
         ("GET", "/health") => Reply::text(200, "ok\n"),
         ("GET", "/metrics") => {
-            let cfg = router.config.load();
-            let text =
-                router
-                    .metrics
-                    .render(
-                        &router.fleet.load(),
-                        &router.index,
-                        cfg.policy.name(),
-                        crate::proxy::budget::in_use(),
-                    );
+            let text = router.metrics.render(crate::proxy::budget::in_use());
             Reply {
                 status: 200,
                 content_type: "text/plain; version=0.0.4",
@@ -142,16 +132,16 @@ fn backends_json(router: &Router) -> serde_json::Value {
                 "index_share": blocks as f64 / total,
                 "kv_blocks": router.index.capacity(b.slot),
                 "learned_capacity_blocks": b.feedback.capacity(),
-                "capacity_known": b.feedback.known_capacity.load(Relaxed) > 0,
+                "capacity_known": b.feedback.capacity_known(),
                 "prefill_blocks_per_s": b.feedback.prefill_rate(),
                 "prediction": {
-                    "reports": b.feedback.reports.load(Relaxed),
-                    "predicted_blocks": b.feedback.predicted_blocks.load(Relaxed),
-                    "reported_blocks": b.feedback.reported_blocks.load(Relaxed),
-                    "error_blocks": b.feedback.error_blocks.load(Relaxed),
-                    "over": b.feedback.over_predictions.load(Relaxed),
-                    "under": b.feedback.under_predictions.load(Relaxed),
-                    "flushes": b.feedback.flushes.load(Relaxed),
+                    "reports": b.feedback.reports(),
+                    "predicted_blocks": b.feedback.predicted_blocks(),
+                    "reported_blocks": b.feedback.reported_blocks(),
+                    "error_blocks": b.feedback.error_blocks(),
+                    "over": b.feedback.over_predictions(),
+                    "under": b.feedback.under_predictions(),
+                    "flushes": b.feedback.flushes(),
                 },
                 "requests": stats.requests(),
                 "errors": stats.errors(),

@@ -106,7 +106,7 @@ fn probe(router: &Router, b: &Backend) -> Result<(), String> {
 }
 
 fn apply(router: &Router, b: &Backend, result: Result<(), String>) {
-    router.metrics.observe_probe(b.slot, result.is_ok());
+    b.stats.probed(result.is_ok());
     let cfg = router.config.load();
     let h = &cfg.health;
     let flip = b.health.observe_probe(result.is_ok(), h.rise, h.fall);
