@@ -25,6 +25,12 @@ const MAY_USE: &[(&str, &[&str])] = &[
             "error", "http", "config", "route", "metrics", "router", "proxy",
         ],
     ),
+    (
+        "app",
+        &[
+            "error", "http", "config", "route", "metrics", "router", "proxy", "control",
+        ],
+    ),
 ];
 
 struct Module {

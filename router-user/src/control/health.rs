@@ -88,12 +88,6 @@ fn run_prober(router: &Router, b: &Arc<Backend>) {
     }
 }
 
-/// One probe of one backend, and the state change it causes.
-pub fn probe_once(router: &Router, b: &Backend) {
-    let result = probe(router, b);
-    apply(router, b, result);
-}
-
 /// `GET health.path`; `Ok` on a 2xx answer within `health.timeout_ms`.
 fn probe(router: &Router, b: &Backend) -> Result<(), String> {
     let cfg = router.config.load();

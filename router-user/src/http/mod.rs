@@ -4,7 +4,7 @@
 
 pub mod chunked;
 pub mod request;
-pub mod response;
+pub(crate) mod response;
 
 /// Most headers a head may carry; more is answered 431.
 pub const MAX_HEADERS: usize = 100;

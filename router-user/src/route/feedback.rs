@@ -75,13 +75,6 @@ const PROMPT_KEY: &[u8] = b"\"prompt_tokens\"";
 const CACHED_KEY: &[u8] = b"\"cached_tokens\"";
 
 impl UsageScanner {
-    /// Ready for a new response.
-    pub fn reset(&mut self) {
-        self.carry_len = 0;
-        self.prompt_tokens = None;
-        self.cached_tokens = None;
-    }
-
     /// Scans the next bytes of the response.
     pub fn feed(&mut self, bytes: &[u8]) {
         if bytes.is_empty() {
