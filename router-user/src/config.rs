@@ -10,6 +10,7 @@ use serde::Deserialize;
 
 pub mod ebpf;
 
+use crate::http::url::HttpUrl;
 use crate::route::MAX_BACKENDS;
 use crate::route::hash::DEFAULT_BLOCK_BYTES;
 use crate::route::select::{Policy, PrefixParams};
@@ -434,22 +435,11 @@ impl Config {
 
 /// Resolves `http://host:port[/]` to a socket address.
 pub fn backend_addr(url: &str) -> anyhow::Result<SocketAddr> {
-    let Some(rest) = url.strip_prefix("http://") else {
-        bail!("backend URL {url:?} must start with http:// (TLS to backends is not supported)");
-    };
-    let hostport = rest.trim_end_matches('/');
-    if hostport.contains('/') {
+    let u = HttpUrl::parse(url).with_context(|| format!("backend {url:?}"))?;
+    if !u.path.is_empty() {
         bail!("backend URL {url:?} must not have a path");
     }
-    let with_port = if hostport
-        .rsplit_once(':')
-        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
-    {
-        hostport.to_owned()
-    } else {
-        format!("{hostport}:80")
-    };
-    with_port
+    u.host_port()
         .to_socket_addrs()
         .with_context(|| format!("resolving backend {url:?}"))?
         .next()

@@ -5,6 +5,7 @@
 pub mod chunked;
 pub mod request;
 pub(crate) mod response;
+pub mod url;
 
 /// Most headers a head may carry; more is answered 431.
 pub const MAX_HEADERS: usize = 100;
