@@ -32,6 +32,8 @@ pub struct Config {
     pub health: Health,
     pub admin: Admin,
     pub log: Log,
+    /// Precise mode: the engines' KV-cache events (`[precise]`, off by default).
+    pub precise: crate::precise::config::PreciseConfig,
     /// The XDP connection counters (`[ebpf]`).
     pub ebpf: crate::control::ebpf::EbpfConfig,
     /// Add `x-prefix-router-backend` and `x-prefix-router-matched-blocks` to
@@ -56,6 +58,7 @@ impl Default for Config {
             health: Health::default(),
             admin: Admin::default(),
             log: Log::default(),
+            precise: Default::default(),
             ebpf: crate::control::ebpf::EbpfConfig::default(),
             debug_headers: false,
         }
@@ -71,6 +74,12 @@ pub enum BackendConfig {
         url: String,
         /// KV-cache capacity in blocks; overrides `prefix.kv_blocks` and the engine's own report.
         kv_blocks: Option<usize>,
+        /// Precise mode: the engine's KV event stream, `tcp://host:port`
+        /// [default: the backend's host and `precise.port`].
+        kv_events: Option<String>,
+        /// Precise mode: its replay socket [default: none when `kv_events`
+        /// is given, else the backend's host and `precise.replay_port`].
+        kv_events_replay: Option<String>,
     },
 }
 
@@ -85,6 +94,18 @@ impl BackendConfig {
         match self {
             BackendConfig::Url(_) => None,
             BackendConfig::Table { kv_blocks, .. } => *kv_blocks,
+        }
+    }
+
+    /// The endpoints of its KV event stream and replay socket, if given.
+    pub fn kv_events(&self) -> (Option<&str>, Option<&str>) {
+        match self {
+            BackendConfig::Url(_) => (None, None),
+            BackendConfig::Table {
+                kv_events,
+                kv_events_replay,
+                ..
+            } => (kv_events.as_deref(), kv_events_replay.as_deref()),
         }
     }
 }

@@ -8,6 +8,7 @@ pub mod control;
 pub mod error;
 pub mod http;
 pub mod metrics;
+pub mod precise;
 pub mod proxy;
 pub mod route;
 pub mod router;

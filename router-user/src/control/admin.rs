@@ -67,10 +67,13 @@ fn handle(router: &Router, req: &Request, reload: &Reloader) -> Reply {
         ("GET", "/health") => Reply::text(200, "ok\n"),
         ("GET", "/metrics") => {
             let cfg = router.config.load();
-            let text =
+            let mut text =
                 router
                     .metrics
                     .render(&router.fleet.load(), &router.index, cfg.policy.name());
+            if let Some(p) = &router.precise {
+                crate::precise::metrics::append(&mut text, p, &router.fleet.load());
+            }
             Reply {
                 status: 200,
                 content_type: "text/plain; version=0.0.4",
@@ -150,6 +153,10 @@ fn backends_json(router: &Router) -> serde_json::Value {
                 },
                 "requests": s.requests.load(Relaxed),
                 "errors": s.errors.load(Relaxed),
+                "precise": router
+                    .precise
+                    .as_ref()
+                    .map(|p| crate::precise::metrics::backend_json(p, b.slot)),
             })
         })
         .collect();
@@ -170,6 +177,7 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
             seed: p.seed,
             session: p.user,
             has_prompt: true,
+            endpoint: Some(ep),
         },
         &mut scratch,
         &mut blocks,
@@ -206,6 +214,11 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
         json!({
             "canonical_bytes": scratch.canonical.len(),
             "blocks": blocks.hashes.len(),
+            "precise_blocks": router.precise.as_ref().map(|_| blocks.keys.len()),
+            "matched_on": fleet.backends.iter().map(|b| {
+                let precise = scratch.precise_mask & (1 << b.slot) != 0;
+                json!({ "url": b.url, "index": if precise { "precise" } else { "approximate" } })
+            }).collect::<Vec<_>>(),
             "decision": routed.choice.decision,
             "matched_blocks": routed.choice.matched_blocks,
             "chosen": candidates.first(),

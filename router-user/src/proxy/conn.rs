@@ -346,6 +346,7 @@ fn route_once(
         seed,
         session: head.session.or(user),
         has_prompt,
+        endpoint: head.endpoint,
     };
     Ok(worker.router.route(&req, route_scratch, &mut c.blocks))
 }
