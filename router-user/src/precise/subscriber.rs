@@ -252,30 +252,37 @@ impl Stream {
         self.next = seq + 1;
     }
 
-    /// Replays from `from`; if what it gets does not reach `upto` (the live
-    /// batch that showed the gap; `None`: the end of the buffer) without a
-    /// hole, the backend is forgotten and DEGRADED for a while.
+    /// Replays from `from`. What it cannot give (the replay socket is
+    /// unreachable, its buffer no longer holds a batch, or its answer ends
+    /// before `upto`, the live batch that showed the gap) is lost: the
+    /// backend is forgotten and DEGRADED for a while, and the stream goes on
+    /// from what comes next.
     async fn catch_up(&mut self, from: u64, upto: Option<u64>) {
-        let whole = self.replay(from).await;
-        let short = upto.is_some_and(|u| self.next < u);
-        if !whole || short {
-            let c = &self.precise.confidence[self.slot];
-            c.unfilled_gaps.fetch_add(1, Relaxed);
-            info!(
-                slot = self.slot,
-                from,
-                next = self.next,
-                "KV events: replay could not fill the gap; forgetting the backend"
-            );
-            self.precise.lost(self.slot, Reason::Gap);
+        let asked = self.replay(from).await;
+        if !asked || upto.is_some_and(|u| self.next < u) {
+            self.lose(from);
             if let Some(u) = upto {
                 self.next = self.next.max(u);
             }
         }
     }
 
+    /// Batches from `self.next` on are lost for good.
+    fn lose(&mut self, from: u64) {
+        let c = &self.precise.confidence[self.slot];
+        c.unfilled_gaps.fetch_add(1, Relaxed);
+        info!(
+            slot = self.slot,
+            from,
+            next = self.next,
+            "KV events: replay could not fill the gap; forgetting the backend"
+        );
+        self.precise.lost(self.slot, Reason::Gap);
+    }
+
     /// Asks the replay socket for every batch from `from` and applies them
-    /// in order. False when it could not be asked or the answer had a hole.
+    /// in order; a hole in the answer is lost (see [`Self::lose`]) before
+    /// what follows it is applied. False when it could not be asked.
     async fn replay(&mut self, from: u64) -> bool {
         let Some(ep) = self.ep.replay.clone() else {
             return false;
@@ -298,7 +305,6 @@ impl Stream {
         if d.send(req).await.is_err() {
             return false;
         }
-        let mut whole = true;
         loop {
             let Ok(Ok(m)) = tokio::time::timeout(REPLAY_TIMEOUT, d.recv()).await else {
                 return false;
@@ -317,14 +323,15 @@ impl Stream {
             };
             let seq = i64::from_be_bytes(seq);
             if seq == -1 {
-                return whole;
+                return true;
             }
             let seq = seq as u64;
             if seq < self.next {
                 continue;
             }
             if seq > self.next {
-                whole = false; // the buffer no longer holds what was missed
+                // The buffer no longer holds what was missed.
+                self.lose(self.next);
             }
             conf.replayed_batches.fetch_add(1, Relaxed);
             let payload = frames[n - 1].clone();

@@ -19,10 +19,10 @@ pub struct Faults {
     /// Remaining ms of refusal (reported only).
     pub refuse_connections_ms: u64,
     /// KV events: the batch with this sequence number is left out of the
-    /// live stream (kept for replay).
+    /// live stream (kept for replay); once.
     pub kv_events_drop_seq: Option<u64>,
     /// KV events: the batch with this sequence number is lost for good (not
-    /// sent, not kept for replay).
+    /// sent, not kept for replay); once.
     pub kv_events_lose_seq: Option<u64>,
     /// KV events: restart as a new engine at the publisher's next turn
     /// (cache emptied silently, sequence back at 0, replay buffer gone).

@@ -225,6 +225,14 @@ async fn publish(
         }
         if drop_live == Some(this) || lose == Some(this) {
             tracing::info!(seq = this, "KV events: batch left out of the live stream");
+            // One-shot: the fault is spent.
+            let mut e = engine.lock().expect("engine lock");
+            let f = &mut e.faults;
+            for f in [&mut f.kv_events_drop_seq, &mut f.kv_events_lose_seq] {
+                if *f == Some(this) {
+                    *f = None;
+                }
+            }
             continue;
         }
         let Some(p) = publ.as_mut() else { continue };
