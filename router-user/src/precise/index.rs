@@ -18,8 +18,8 @@
 //! the slot with one stamp per slot (the newest guard's), so a guard can
 //! outlive its time by the newer one's: a hint, never a source of truth.
 //!
-//! Memory: 32 bytes a slot, slots = 4/3 x the fleet's capacity, plus about
-//! 40 bytes a tracked block in the per-backend maps.
+//! Memory: 32 bytes a slot, 2 slots a block of the fleet's capacity, plus
+//! about 40 bytes a tracked block in the per-backend maps.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -30,8 +30,15 @@ use super::events::EngineHash;
 use super::keys::block_key;
 use crate::route::index::{MAX_BACKENDS, Matches, bits};
 
-/// Slots probed for a key from its home slot (as `route::index`).
-const PROBE: usize = 8;
+/// Slots probed for a key from its home slot. Past them an insert displaces
+/// a block, which cuts every chain through it: with 8 (as `route::index`)
+/// and the table 3/4 full, a 1,023-block prompt lost its match at block 438
+/// in `benches/precise.rs`; 16 slots and a table at most half full keep
+/// displacements rare (none in that bench).
+const PROBE: usize = 16;
+
+/// Slots per block of capacity.
+const SLOTS_PER_BLOCK: usize = 2;
 
 struct Slot {
     key: AtomicU64,
@@ -68,7 +75,7 @@ pub struct PreciseIndex {
 impl PreciseIndex {
     /// An index sized for `total_capacity` blocks over all backends.
     pub fn new(total_capacity: usize) -> Self {
-        let n = total_capacity.max(1024) * 4 / 3;
+        let n = total_capacity.max(1024) * SLOTS_PER_BLOCK;
         PreciseIndex {
             slots: (0..n)
                 .map(|_| Slot {
@@ -232,7 +239,7 @@ impl PreciseIndex {
     fn probe(&self, h: u64) -> impl Iterator<Item = &Slot> {
         let home = self.home(h);
         let n = self.slots.len();
-        (0..PROBE).map(move |i| &self.slots[(home + i) % n])
+        (home..home + PROBE).map(move |j| &self.slots[if j >= n { j - n } else { j }])
     }
 
     fn find(&self, h: u64) -> Option<&Slot> {

@@ -88,7 +88,13 @@ pub fn engine_tokens(endpoint: Endpoint, canonical: &[u8], text: &mut Vec<u8>, o
     match endpoint {
         Endpoint::Chat => {
             text.clear();
-            for msg in canonical.split(|&b| b == MESSAGE_START).skip(1) {
+            let starts = memchr::memchr_iter(MESSAGE_START, canonical).chain([canonical.len()]);
+            let mut prev = None;
+            for at in starts {
+                let Some(from) = prev.replace(at + 1) else {
+                    continue;
+                };
+                let msg = &canonical[from..at.min(canonical.len())];
                 let (role, content) = match memchr::memchr(ROLE_END, msg) {
                     Some(i) => (&msg[..i], &msg[i + 1..]),
                     None => (msg, &[][..]),
@@ -110,12 +116,19 @@ pub fn engine_tokens(endpoint: Endpoint, canonical: &[u8], text: &mut Vec<u8>, o
 /// chunks, each read as a little-endian u32.
 fn tokenize_into(text: &[u8], out: &mut Vec<u32>) {
     out.reserve(text.len() / BYTES_PER_TOKEN + 1);
-    for line in text.split_inclusive(|&b| b == b'\n') {
-        out.extend(line.chunks(BYTES_PER_TOKEN).map(|c| {
+    let mut rest = text;
+    while !rest.is_empty() {
+        let end = memchr::memchr(b'\n', rest).map_or(rest.len(), |i| i + 1);
+        let (line, tail) = rest.split_at(end);
+        let chunks = line.chunks_exact(BYTES_PER_TOKEN);
+        let last = chunks.remainder();
+        out.extend(chunks.map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+        if !last.is_empty() {
             let mut b = [0u8; BYTES_PER_TOKEN];
-            b[..c.len()].copy_from_slice(c);
-            u32::from_le_bytes(b)
-        }));
+            b[..last.len()].copy_from_slice(last);
+            out.push(u32::from_le_bytes(b));
+        }
+        rest = tail;
     }
 }
 
@@ -141,6 +154,36 @@ mod tests {
         assert_eq!(toks[0], u32::from_le_bytes(*b"<|im"));
         // "<|im_start|>system\n" is 19 bytes: 5 tokens, the last "em\n".
         assert_eq!(toks[4], u32::from_le_bytes([b'e', b'm', b'\n', 0]));
+    }
+
+    /// The engine's tokenizer, written plainly (`tests/src/engine/tokenize.rs`).
+    fn reference(text: &[u8]) -> Vec<u32> {
+        let mut out = Vec::new();
+        for line in text.split_inclusive(|&b| b == b'\n') {
+            out.extend(line.chunks(4).map(|c| {
+                let mut b = [0u8; 4];
+                b[..c.len()].copy_from_slice(c);
+                u32::from_le_bytes(b)
+            }));
+        }
+        out
+    }
+
+    #[test]
+    fn tokens_equal_the_engines_on_awkward_lines() {
+        for text in [
+            "",
+            "\n",
+            "\n\n",
+            "abc",
+            "abcd",
+            "abcde\nfg\n\nhijklmnop",
+            "x\nyz",
+        ] {
+            let mut out = Vec::new();
+            tokenize_into(text.as_bytes(), &mut out);
+            assert_eq!(out, reference(text.as_bytes()), "{text:?}");
+        }
     }
 
     #[test]
