@@ -9,6 +9,7 @@ use anyhow::{Context, bail};
 use serde::Deserialize;
 
 pub mod ebpf;
+pub mod precise;
 
 use crate::http::url::HttpUrl;
 use crate::route::MAX_BACKENDS;
@@ -35,6 +36,8 @@ pub struct Config {
     pub health: Health,
     pub admin: Admin,
     pub log: Log,
+    /// Precise mode: the engines' KV-cache events (`[precise]`, off by default).
+    pub precise: precise::PreciseConfig,
     /// The XDP connection counters (`[ebpf]`).
     pub ebpf: ebpf::EbpfConfig,
     /// Add `x-prefix-router-backend` and `x-prefix-router-matched-blocks` to
@@ -59,6 +62,7 @@ impl Default for Config {
             health: Health::default(),
             admin: Admin::default(),
             log: Log::default(),
+            precise: Default::default(),
             ebpf: ebpf::EbpfConfig::default(),
             debug_headers: false,
         }
@@ -74,6 +78,12 @@ pub enum BackendConfig {
         url: String,
         /// KV-cache capacity in blocks; overrides `prefix.kv_blocks` and the engine's own report.
         kv_blocks: Option<usize>,
+        /// Precise mode: the engine's KV event stream, `tcp://host:port`
+        /// [default: the backend's host and `precise.port`].
+        kv_events: Option<String>,
+        /// Precise mode: its replay socket [default: none when `kv_events`
+        /// is given, else the backend's host and `precise.replay_port`].
+        kv_events_replay: Option<String>,
     },
 }
 
@@ -88,6 +98,18 @@ impl BackendConfig {
         match self {
             BackendConfig::Url(_) => None,
             BackendConfig::Table { kv_blocks, .. } => *kv_blocks,
+        }
+    }
+
+    /// The endpoints of its KV event stream and replay socket, if given.
+    pub fn kv_events(&self) -> (Option<&str>, Option<&str>) {
+        match self {
+            BackendConfig::Url(_) => (None, None),
+            BackendConfig::Table {
+                kv_events,
+                kv_events_replay,
+                ..
+            } => (kv_events.as_deref(), kv_events_replay.as_deref()),
         }
     }
 }

@@ -14,6 +14,7 @@ pub mod control;
 pub mod error;
 pub mod http;
 pub(crate) mod metrics;
+pub mod precise;
 pub(crate) mod proxy;
 pub mod route;
 pub(crate) mod router;

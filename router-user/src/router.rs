@@ -12,6 +12,8 @@ use tracing::{info, warn};
 use crate::config::{Config, backend_addr};
 use crate::error::RouterError;
 use crate::metrics::{Metrics, Sources};
+use crate::precise::Precise;
+use crate::precise::subscriber::Subscriber;
 use crate::route::MAX_BACKENDS;
 use crate::route::backend::{Backend, Fleet};
 use crate::route::extract::{Endpoint, Extractor};
@@ -30,6 +32,11 @@ pub struct Router {
     pub client_conns: AtomicUsize,
     pub retry_budget: RetryBudget,
     shutting_down: AtomicBool,
+    /// Precise mode (`[precise] enabled`, read at start): the engines' own
+    /// account of their caches and each backend's confidence in it.
+    pub precise: Option<Arc<Precise>>,
+    /// The event subscriptions, by slot.
+    subscribers: std::sync::Mutex<Vec<Option<Subscriber>>>,
 }
 
 /// Retries across all requests are capped at `retry.budget_percent` of
@@ -81,6 +88,12 @@ pub struct RouteScratch {
     matches: Vec<u32>,
     /// The last routed request's cold key (for [`Router::scores`]).
     cold_key: u64,
+    /// Precise mode: the request's engine tokens and their rendered text.
+    tokens: Vec<u32>,
+    text: Vec<u8>,
+    /// Precise mode: the backends (bits by slot) the last request was
+    /// matched on the precise index for (the others: the approximate one).
+    pub precise_mask: u64,
 }
 
 impl RouteScratch {
@@ -108,6 +121,8 @@ pub struct PromptBlocks {
     /// Each block's age on the chosen backend when it was sent (see
     /// `PrefixIndex::insert_aging`), for the closed loop.
     pub ages: Vec<u64>,
+    /// Precise mode: the keys of the prompt's engine blocks.
+    pub keys: Vec<u64>,
 }
 
 /// What routing decided for one request.
@@ -146,6 +161,10 @@ impl Router {
             backends.push(Arc::new(backend));
             index.set_capacity(slot, kv);
         }
+        let precise = config
+            .precise
+            .enabled
+            .then(|| Arc::new(Precise::new(total, config.precise.settings())));
         let config = Arc::new(ArcSwap::from_pointee(config));
         let fleet = Arc::new(ArcSwap::from_pointee(Fleet { backends }));
         let index = Arc::new(index);
@@ -154,7 +173,9 @@ impl Router {
             fleet: fleet.clone(),
             index: index.clone(),
         });
-        Ok(Arc::new(Router {
+        let router = Arc::new(Router {
+            precise,
+            subscribers: std::sync::Mutex::new(Vec::new()),
             config,
             fleet,
             index,
@@ -163,7 +184,42 @@ impl Router {
             client_conns: AtomicUsize::new(0),
             retry_budget: RetryBudget::new(budget_percent),
             shutting_down: AtomicBool::new(false),
-        }))
+        });
+        router.sync_subscribers();
+        Ok(router)
+    }
+
+    /// Precise mode: one subscription per backend of the fleet, to the
+    /// endpoints the config gives it; a slot whose backend or endpoints
+    /// changed (a reload) starts over, forgotten and DEGRADED.
+    pub fn sync_subscribers(&self) {
+        let Some(p) = &self.precise else {
+            return;
+        };
+        let cfg = self.config.load();
+        let fleet = self.fleet.load();
+        let mut subs = self.subscribers.lock().unwrap_or_else(|e| e.into_inner());
+        subs.resize_with(MAX_BACKENDS, || None);
+        for (slot, sub) in subs.iter_mut().enumerate() {
+            let want = fleet.by_slot(slot).and_then(|b| {
+                let bc = cfg.backends.iter().find(|c| c.url() == b.url)?;
+                Some(cfg.precise.endpoints(bc))
+            });
+            if sub.as_ref().map(|s| &s.endpoints) == want.as_ref() {
+                continue;
+            }
+            // Joins the old thread, so nothing it applies outlives this.
+            *sub = None;
+            p.forget(slot);
+            p.confidence[slot].reset();
+            if let Some(ep) = want {
+                info!(slot, live = %ep.live, replay = ?ep.replay, "KV events: subscribing");
+                match Subscriber::spawn(p.clone(), slot, ep) {
+                    Ok(s) => *sub = Some(s),
+                    Err(e) => tracing::warn!(slot, error = %e, "KV events: no subscriber thread"),
+                }
+            }
+        }
     }
 
     /// Routes one request: extracts its prompt (400 when the body is not
@@ -199,6 +255,18 @@ impl Router {
             self.index
                 .longest_matches_noting(hashes, fleet.slot_mask(), &mut matches, found);
         }
+        scratch.precise_mask = 0;
+        blocks.keys.clear();
+        if let (Some(_), Some(ep), Policy::Prefix) = (&self.precise, query.endpoint, cfg.policy) {
+            self.precise_matches(
+                ep,
+                &fleet,
+                scratch,
+                &mut blocks.keys,
+                hashes.len(),
+                &mut matches,
+            );
+        }
         scratch.loads.clear();
         scratch.matches.clear();
         for b in &fleet.backends {
@@ -224,6 +292,59 @@ impl Router {
         // Candidates are positions in `fleet.backends`.
         let choice = select::select(policy, &input, &scratch.loads, &cfg.prefix.params());
         Ok(Routed { choice, fleet })
+    }
+
+    /// Precise mode: replaces, for every EXACT backend, its approximate
+    /// match by what its engine's events say it holds, in the approximate
+    /// index's units (a share of the prompt's `approx_blocks`), so selection
+    /// weighs both alike.
+    fn precise_matches(
+        &self,
+        ep: Endpoint,
+        fleet: &Fleet,
+        scratch: &mut RouteScratch,
+        keys: &mut Vec<u64>,
+        approx_blocks: usize,
+        matches: &mut Matches,
+    ) {
+        let Some(p) = &self.precise else {
+            return;
+        };
+        crate::precise::keys::engine_tokens(
+            ep,
+            &scratch.canonical,
+            &mut scratch.text,
+            &mut scratch.tokens,
+        );
+        crate::precise::keys::request_keys(
+            crate::precise::keys::chain_seed(None),
+            &scratch.tokens,
+            p.settings.block_tokens,
+            &[],
+            keys,
+        );
+        let now = p.now_ms();
+        let mut exact = 0u64;
+        for b in &fleet.backends {
+            if p.exact(b.slot, now) {
+                exact |= 1 << b.slot;
+            }
+        }
+        scratch.precise_mask = exact;
+        if exact == 0 {
+            return;
+        }
+        let mut pm: Matches = [0; MAX_BACKENDS];
+        if !keys.is_empty() {
+            p.matches(keys, exact, now, &mut pm);
+        }
+        for slot in crate::route::index::bits(exact) {
+            matches[slot] = if keys.is_empty() {
+                0
+            } else {
+                ((u64::from(pm[slot]) * approx_blocks as u64) / keys.len() as u64) as u32
+            };
+        }
     }
 
     /// Every eligible backend's predicted TTFT for the request last routed
@@ -274,6 +395,11 @@ impl Router {
     /// `matched`: blocks of it the index said the backend held.
     pub fn learn(&self, backend: &Backend, blocks: &mut PromptBlocks, matched: u32) {
         blocks.ages.clear();
+        if let Some(p) = &self.precise
+            && !blocks.keys.is_empty()
+        {
+            p.guard(backend.slot, &blocks.keys, p.now_ms());
+        }
         if !blocks.hashes.is_empty() && self.config.load().policy == Policy::Prefix {
             self.index.insert_aging(
                 backend.slot,

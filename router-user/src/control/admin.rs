@@ -65,7 +65,10 @@ fn handle(router: &Router, req: &Request, reload: &Reloader) -> Reply {
     match (req.method, req.path) {
         ("GET", "/health") => Reply::text(200, "ok\n"),
         ("GET", "/metrics") => {
-            let text = router.metrics.render(crate::proxy::budget::in_use());
+            let mut text = router.metrics.render(crate::proxy::budget::in_use());
+            if let Some(p) = &router.precise {
+                crate::precise::metrics::append(&mut text, p, &router.fleet.load());
+            }
             Reply {
                 status: 200,
                 content_type: "text/plain; version=0.0.4",
@@ -145,6 +148,10 @@ fn backends_json(router: &Router) -> serde_json::Value {
                 },
                 "requests": stats.requests(),
                 "errors": stats.errors(),
+                "precise": router
+                    .precise
+                    .as_ref()
+                    .map(|p| crate::precise::metrics::backend_json(p, b.slot)),
             })
         })
         .collect();
@@ -196,6 +203,11 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
         json!({
             "canonical_bytes": scratch.canonical_len(),
             "blocks": blocks.hashes.len(),
+            "precise_blocks": router.precise.as_ref().map(|_| blocks.keys.len()),
+            "matched_on": fleet.backends.iter().map(|b| {
+                let precise = scratch.precise_mask & (1 << b.slot) != 0;
+                json!({ "url": b.url, "index": if precise { "precise" } else { "approximate" } })
+            }).collect::<Vec<_>>(),
             "decision": routed.choice.decision,
             "matched_blocks": routed.choice.matched_blocks,
             "chosen": candidates.first(),

@@ -79,5 +79,6 @@ pub fn apply(router: &Router, mut new: Config) -> anyhow::Result<()> {
     router.retry_budget.set_percent(new.retry.budget_percent);
     router.config.store(Arc::new(new));
     router.fleet.store(Arc::new(Fleet { backends }));
+    router.sync_subscribers();
     Ok(())
 }
