@@ -16,10 +16,11 @@ use crate::precise::Precise;
 use crate::precise::subscriber::Subscriber;
 use crate::route::MAX_BACKENDS;
 use crate::route::backend::{Backend, Fleet};
-use crate::route::extract::{Endpoint, Extractor};
+use crate::route::extract::Endpoint;
 use crate::route::feedback::{Correction, Usage};
-use crate::route::hash::{block_hashes, cold_key};
+use crate::route::hash::{block_hashes_pieces, cold_key};
 use crate::route::index::{Matches, PrefixIndex};
+use crate::route::scan::{Canonical, scan};
 use crate::route::select::{self, BackendLoad, Choice, Policy, RouteInput};
 
 pub struct Router {
@@ -81,8 +82,12 @@ impl RetryBudget {
 /// Scratch space for the synchronous routing step, reused by a worker.
 #[derive(Default)]
 pub struct RouteScratch {
-    extractor: Extractor,
-    /// The canonical prompt of the last routed request.
+    /// The last routed request's canonical prompt, as pieces of its body.
+    canon: Canonical,
+    /// Its partial last block (the whole prompt when it is shorter than a
+    /// block: what a cold key of a short prompt hashes).
+    carry: Vec<u8>,
+    /// Precise mode: the canonical prompt written out, for the tokenizer.
     canonical: Vec<u8>,
     loads: Vec<BackendLoad>,
     matches: Vec<u32>,
@@ -99,12 +104,12 @@ pub struct RouteScratch {
 impl RouteScratch {
     /// Bytes of the last routed request's canonical prompt.
     pub fn canonical_len(&self) -> usize {
-        self.canonical.len()
+        self.canon.len()
     }
 
     /// Gives back parse buffers over `keep` bytes (a rare huge body).
     pub fn shrink(&mut self, keep: usize) {
-        self.extractor = Extractor::default();
+        self.canon.shrink(keep);
         if self.canonical.capacity() > keep {
             self.canonical = Vec::new();
         }
@@ -232,13 +237,12 @@ impl Router {
     ) -> Result<Routed, RouterError> {
         let (seed, user, has_prompt) = match query.endpoint {
             Some(ep) => {
-                let p = scratch
-                    .extractor
-                    .extract(ep, query.body, &mut scratch.canonical)?;
+                let p = scan(ep, query.body, &mut scratch.canon)?;
                 (p.seed, p.user, true)
             }
             None => {
-                scratch.canonical.clear();
+                scratch.canon.clear();
+                scratch.carry.clear();
                 (0, None, false)
             }
         };
@@ -248,7 +252,16 @@ impl Router {
         let fleet = self.fleet.load_full();
         hashes.clear();
         if has_prompt {
-            block_hashes(seed, &scratch.canonical, cfg.prefix.block_bytes, hashes);
+            block_hashes_pieces(
+                seed,
+                scratch.canon.pieces(query.body),
+                cfg.prefix.block_bytes,
+                &mut scratch.carry,
+                hashes,
+            );
+            if self.precise.is_some() {
+                scratch.canon.write_to(query.body, &mut scratch.canonical);
+            }
         }
         let mut matches: Matches = [0; MAX_BACKENDS];
         if cfg.policy == Policy::Prefix && !hashes.is_empty() {
@@ -293,7 +306,8 @@ impl Router {
             scratch.matches.push(m);
         }
         same_hardware_same_rate(&mut scratch.loads);
-        scratch.cold_key = cold_key(seed, &scratch.canonical, hashes, cfg.prefix.cold_key_blocks);
+        // Without a full block, the carry is the whole canonical prompt.
+        scratch.cold_key = cold_key(seed, &scratch.carry, hashes, cfg.prefix.cold_key_blocks);
         let input = RouteInput {
             matches: &scratch.matches,
             blocks: hashes.len() as u32,

@@ -19,9 +19,9 @@ use crate::error::{Kind, RouterError};
 use crate::route::hash::namespace_seed;
 
 /// Record separator before each message of a chat.
-const MESSAGE_START: u8 = 0x1e;
+pub(crate) const MESSAGE_START: u8 = 0x1e;
 /// Unit separator between a message's role and its text.
-const ROLE_END: u8 = 0x1f;
+pub(crate) const ROLE_END: u8 = 0x1f;
 
 /// The endpoints whose body carries a prompt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

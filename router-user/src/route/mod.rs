@@ -13,5 +13,6 @@ pub mod extract;
 pub(crate) mod feedback;
 pub mod hash;
 pub mod index;
+pub mod scan;
 pub mod select;
 pub mod slots;
