@@ -234,6 +234,14 @@ impl Router {
         for b in &fleet.backends {
             let mut load = b.load(cfg.limits.max_in_flight_per_backend);
             load.cached_blocks = u32::try_from(self.index.tracked(b.slot)).unwrap_or(u32::MAX);
+            if let Some(p) = self
+                .precise
+                .as_ref()
+                .filter(|_| scratch.precise_mask & (1 << b.slot) != 0)
+            {
+                // What its engine says it holds, traffic from elsewhere included.
+                load.cached_blocks = u32::try_from(p.index.held_blocks(b.slot)).unwrap_or(u32::MAX);
+            }
             scratch.loads.push(load);
             scratch.matches.push(matches[b.slot]);
         }
