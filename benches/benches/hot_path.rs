@@ -6,9 +6,10 @@
 //! it and folds the figures into its results.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use prefix_router::route::MAX_BACKENDS;
 use prefix_router::route::extract::{Endpoint, Extractor};
 use prefix_router::route::hash::{DEFAULT_BLOCK_BYTES, block_hashes, namespace_seed};
-use prefix_router::route::index::{MAX_BACKENDS, Matches, PrefixIndex};
+use prefix_router::route::index::{Matches, PrefixIndex};
 use prefix_router::route::select::{BackendLoad, Policy, RouteInput, select};
 use router_benches::body::chat_body;
 use std::hint::black_box;

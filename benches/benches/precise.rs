@@ -9,9 +9,10 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use prefix_router::precise::events::{Groups, decode_batch};
 use prefix_router::precise::index::PreciseIndex;
 use prefix_router::precise::keys::{chain_seed, engine_tokens, request_keys};
+use prefix_router::route::MAX_BACKENDS;
 use prefix_router::route::extract::{Endpoint, Extractor};
 use prefix_router::route::hash::{DEFAULT_BLOCK_BYTES, block_hashes, namespace_seed};
-use prefix_router::route::index::{MAX_BACKENDS, Matches, PrefixIndex};
+use prefix_router::route::index::{Matches, PrefixIndex};
 use router_benches::body::chat_body;
 use std::hint::black_box;
 use testkit::engine::kv_events::{CacheEvent, Encoding, encode_batch};

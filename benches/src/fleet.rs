@@ -212,11 +212,21 @@ impl Router {
         policy: &str,
         args: &[String],
     ) -> anyhow::Result<Router> {
+        Router::start_bin(&bins.path("prefix-router"), engines, policy, args)
+    }
+
+    /// [`Router::start`] with another build of the router (a baseline).
+    pub fn start_bin(
+        bin: &Path,
+        engines: &[Engine],
+        policy: &str,
+        args: &[String],
+    ) -> anyhow::Result<Router> {
         let port = testkit::proc::free_port();
         let admin_port = testkit::proc::free_port();
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse()?;
-        let mut cmd = Command::new(bins.path("prefix-router"));
+        let mut cmd = Command::new(bin);
         cmd.args(["--listen", &addr.to_string()])
             .args(["--admin-listen", &admin.to_string()])
             .args(["--policy", policy])

@@ -8,6 +8,7 @@
 //! exactly what was measured.
 
 use hdrhistogram::Histogram;
+use prefix_router::http::chunked::ChunkedDecoder;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -220,19 +221,14 @@ async fn exchange(
             }
         }
         Body::Chunked => {
+            let mut dec = ChunkedDecoder::new();
             let mut pos = head_len;
             loop {
-                match next_chunk(&buf[pos..]).map_err(bad)? {
-                    Some((0, used)) => {
-                        pos += used;
-                        while buf.len() < pos + 2 {
-                            read_more(&mut s, buf).await?;
-                        }
-                        break;
-                    }
-                    Some((_, used)) => pos += used,
-                    None => read_more(&mut s, buf).await?,
+                pos += dec.feed(&buf[pos..], None).map_err(|e| bad(&e.message))?;
+                if dec.is_done() {
+                    break;
                 }
+                read_more(&mut s, buf).await?;
             }
         }
     }
@@ -256,37 +252,7 @@ async fn read_more(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<()> 
     Ok(())
 }
 
-/// One chunk at the start of `data`: its size and the bytes it takes (size
-/// line, data and CRLF; for the last chunk only its size line), or None when
-/// incomplete.
-fn next_chunk(data: &[u8]) -> Result<Option<(usize, usize)>, &'static str> {
-    let Some(eol) = data.windows(2).position(|w| w == b"\r\n") else {
-        return Ok(None);
-    };
-    let line = std::str::from_utf8(&data[..eol]).map_err(|_| "chunk size")?;
-    let hex = line.split(';').next().unwrap_or("").trim();
-    let size = usize::from_str_radix(hex, 16).map_err(|_| "chunk size")?;
-    if size == 0 {
-        return Ok(Some((0, eol + 2)));
-    }
-    let used = eol + 2 + size + 2;
-    Ok((data.len() >= used).then_some((size, used)))
-}
-
 /// Microseconds at quantile `q` of a ns histogram.
 pub fn q_us(h: &Histogram<u64>, q: f64) -> f64 {
     h.value_at_quantile(q) as f64 / 1e3
-}
-
-#[cfg(test)]
-mod tests {
-    use super::next_chunk;
-
-    #[test]
-    fn chunks() {
-        assert_eq!(next_chunk(b"5\r\nhello\r\n0\r\n\r\n"), Ok(Some((5, 10))));
-        assert_eq!(next_chunk(b"5\r\nhel"), Ok(None));
-        assert_eq!(next_chunk(b"0\r\n\r\n"), Ok(Some((0, 3))));
-        assert!(next_chunk(b"zz\r\n").is_err());
-    }
 }

@@ -8,12 +8,12 @@
 
 /// Most backends the registry and the per-backend counters can hold. Sized for a
 /// large fleet; a per-CPU slot costs 40 bytes, so 1024 slots cost 40 KiB per CPU.
-pub const MAX_BACKENDS: u32 = 1024;
+pub const MAP_BACKEND_SLOTS: u32 = 1024;
 
 /// Map name: `HashMap<BackendKey, u32>`, backend ip:port -> dense backend index.
 /// Written by userspace, read by XDP on every TCP packet.
 pub const BACKENDS_MAP: &str = "BACKENDS";
-/// Map name: `PerCpuArray<BackendCounters>` of `MAX_BACKENDS` slots, indexed by the
+/// Map name: `PerCpuArray<BackendCounters>` of `MAP_BACKEND_SLOTS` slots, indexed by the
 /// dense backend index. Written by XDP, summed over CPUs by userspace.
 pub const BACKEND_COUNTERS_MAP: &str = "BACKEND_COUNTERS";
 /// Map name: `PerCpuArray<u64>` of `GLOBAL_COUNTER_SLOTS` slots, one per `GLOBAL_*` offset.

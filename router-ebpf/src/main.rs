@@ -22,19 +22,19 @@ use aya_ebpf::{
 use router_common::{
     BACKEND_COUNTERS_MAP, BACKENDS_MAP, BackendCounters, BackendKey, GLOBAL_BACKEND_PACKETS,
     GLOBAL_COUNTER_SLOTS, GLOBAL_COUNTERS_MAP, GLOBAL_NON_IP, GLOBAL_NON_TCP, GLOBAL_PACKETS,
-    GLOBAL_PARSE_FAILURES, MAX_BACKENDS, XDP_PROGRAM,
+    GLOBAL_PARSE_FAILURES, MAP_BACKEND_SLOTS, XDP_PROGRAM,
 };
 
 use crate::parse::{Skip, TcpSegment};
 
 /// Backend ip:port -> dense backend index; written by userspace (`set_backends`).
 #[map]
-static BACKENDS: HashMap<BackendKey, u32> = HashMap::with_max_entries(MAX_BACKENDS, 0);
+static BACKENDS: HashMap<BackendKey, u32> = HashMap::with_max_entries(MAP_BACKEND_SLOTS, 0);
 
 /// Per-CPU counters per dense backend index; summed over CPUs by userspace.
 #[map]
 static BACKEND_COUNTERS: PerCpuArray<BackendCounters> =
-    PerCpuArray::with_max_entries(MAX_BACKENDS, 0);
+    PerCpuArray::with_max_entries(MAP_BACKEND_SLOTS, 0);
 
 /// Per-CPU global counters at the `GLOBAL_*` offsets (packets, parse failures, ...).
 #[map]

@@ -2,14 +2,18 @@
 //! commented) and command-line flags, which override the file.
 
 use std::net::{SocketAddr, ToSocketAddrs};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
+pub mod ebpf;
+pub mod precise;
+
+use crate::http::url::HttpUrl;
+use crate::route::MAX_BACKENDS;
 use crate::route::hash::DEFAULT_BLOCK_BYTES;
-use crate::route::index::MAX_BACKENDS;
 use crate::route::select::{Policy, PrefixParams};
 
 /// The whole configuration. Every field has a default but `backends`.
@@ -33,9 +37,9 @@ pub struct Config {
     pub admin: Admin,
     pub log: Log,
     /// Precise mode: the engines' KV-cache events (`[precise]`, off by default).
-    pub precise: crate::precise::config::PreciseConfig,
+    pub precise: precise::PreciseConfig,
     /// The XDP connection counters (`[ebpf]`).
-    pub ebpf: crate::control::ebpf::EbpfConfig,
+    pub ebpf: ebpf::EbpfConfig,
     /// Add `x-prefix-router-backend` and `x-prefix-router-matched-blocks` to
     /// responses, keep the engine's identity headers (`server`,
     /// `x-engine-id`), and put the internal detail (backend URL, OS error)
@@ -59,7 +63,7 @@ impl Default for Config {
             admin: Admin::default(),
             log: Log::default(),
             precise: Default::default(),
-            ebpf: crate::control::ebpf::EbpfConfig::default(),
+            ebpf: ebpf::EbpfConfig::default(),
             debug_headers: false,
         }
     }
@@ -453,32 +457,15 @@ impl Config {
 
 /// Resolves `http://host:port[/]` to a socket address.
 pub fn backend_addr(url: &str) -> anyhow::Result<SocketAddr> {
-    let Some(rest) = url.strip_prefix("http://") else {
-        bail!("backend URL {url:?} must start with http:// (TLS to backends is not supported)");
-    };
-    let hostport = rest.trim_end_matches('/');
-    if hostport.contains('/') {
+    let u = HttpUrl::parse(url).with_context(|| format!("backend {url:?}"))?;
+    if !u.path.is_empty() {
         bail!("backend URL {url:?} must not have a path");
     }
-    let with_port = if hostport
-        .rsplit_once(':')
-        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
-    {
-        hostport.to_owned()
-    } else {
-        format!("{hostport}:80")
-    };
-    with_port
+    u.host_port()
         .to_socket_addrs()
         .with_context(|| format!("resolving backend {url:?}"))?
         .next()
         .with_context(|| format!("backend {url:?} resolves to no address"))
-}
-
-/// Where a config file was given, for reloads.
-#[derive(Clone, Debug, Default)]
-pub struct Source {
-    pub file: Option<PathBuf>,
 }
 
 #[cfg(test)]

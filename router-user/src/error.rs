@@ -1,5 +1,5 @@
-//! One error type for the data path: what went wrong, which side caused it,
-//! and whether the request may be retried on another backend.
+//! One error type for the data path (what went wrong, which side caused
+//! it), and why a failed attempt may be sent again.
 
 use std::fmt;
 
@@ -85,12 +85,47 @@ impl Kind {
     }
 }
 
+/// Why a request is sent again; the `reason` label of
+/// `prefix_router_resends_total`. A re-send is only ever of a request no
+/// backend can have processed (the delivery rule in ARCHITECTURE.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Resend {
+    /// A pooled connection failed before the request was written whole: the
+    /// same backend, on a fresh connection.
+    StalePooled,
+    /// Connecting to the backend failed or timed out: the next candidate.
+    ConnectFailed,
+    /// A fresh connection broke before the request was written whole: the
+    /// next candidate.
+    WriteFailed,
+}
+
+impl Resend {
+    pub const ALL: [Resend; 3] = [
+        Resend::StalePooled,
+        Resend::ConnectFailed,
+        Resend::WriteFailed,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Resend::StalePooled => "stale_pooled",
+            Resend::ConnectFailed => "connect_failed",
+            Resend::WriteFailed => "write_failed",
+        }
+    }
+
+    /// Whether the backend is to blame (a pooled connection its keep-alive
+    /// timeout closed is not its fault).
+    pub fn blames_backend(self) -> bool {
+        self != Resend::StalePooled
+    }
+}
+
 /// An error on the data path, answered to the client as OpenAI-shaped JSON.
 #[derive(Debug)]
 pub struct RouterError {
     pub kind: Kind,
-    /// True when the request never reached a backend, so another may take it.
-    pub retryable: bool,
     /// A message a person can act on; sent to the client, so it names no
     /// backend address and no OS error.
     pub message: String,
@@ -103,7 +138,6 @@ impl RouterError {
     pub fn new(kind: Kind, message: impl Into<String>) -> Self {
         RouterError {
             kind,
-            retryable: false,
             message: message.into(),
             detail: None,
         }
@@ -113,15 +147,6 @@ impl RouterError {
     pub fn with_detail(mut self, detail: impl Into<String>) -> Self {
         self.detail = Some(detail.into());
         self
-    }
-
-    pub fn retryable(kind: Kind, message: impl Into<String>) -> Self {
-        RouterError {
-            kind,
-            retryable: true,
-            message: message.into(),
-            detail: None,
-        }
     }
 
     pub fn status(&self) -> u16 {

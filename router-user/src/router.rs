@@ -1,27 +1,31 @@
-//! The state every worker shares: configuration, fleet, prefix index, and the
-//! routing step that turns a request into a ranked choice of backends.
+//! The state every worker shares (configuration, fleet, prefix index,
+//! metrics, retry budget) and the one routing entry point, used by the
+//! proxy and `/admin/explain` alike: a request's body in, a ranked choice
+//! of backends out.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use arc_swap::ArcSwap;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::config::{Config, backend_addr};
-use crate::metrics::Metrics;
+use crate::error::RouterError;
+use crate::metrics::{Metrics, Sources};
 use crate::precise::Precise;
 use crate::precise::subscriber::Subscriber;
+use crate::route::MAX_BACKENDS;
 use crate::route::backend::{Backend, Fleet};
-use crate::route::extract::Endpoint;
+use crate::route::extract::{Endpoint, Extractor};
 use crate::route::feedback::{Correction, Usage};
 use crate::route::hash::{block_hashes, cold_key};
-use crate::route::index::{MAX_BACKENDS, Matches, PrefixIndex};
+use crate::route::index::{Matches, PrefixIndex};
 use crate::route::select::{self, BackendLoad, Choice, Policy, RouteInput};
 
 pub struct Router {
-    pub config: ArcSwap<Config>,
-    pub fleet: ArcSwap<Fleet>,
-    pub index: PrefixIndex,
+    pub config: Arc<ArcSwap<Config>>,
+    pub fleet: Arc<ArcSwap<Fleet>>,
+    pub index: Arc<PrefixIndex>,
     pub metrics: Metrics,
     /// Round-robin counter and random stream.
     ticket: AtomicU64,
@@ -77,8 +81,9 @@ impl RetryBudget {
 /// Scratch space for the synchronous routing step, reused by a worker.
 #[derive(Default)]
 pub struct RouteScratch {
-    /// The canonical prompt, written by the extractor.
-    pub canonical: Vec<u8>,
+    extractor: Extractor,
+    /// The canonical prompt of the last routed request.
+    canonical: Vec<u8>,
     loads: Vec<BackendLoad>,
     matches: Vec<u32>,
     /// The last routed request's cold key (for [`Router::scores`]).
@@ -89,6 +94,21 @@ pub struct RouteScratch {
     /// Precise mode: the backends (bits by slot) the last request was
     /// matched on the precise index for (the others: the approximate one).
     pub precise_mask: u64,
+}
+
+impl RouteScratch {
+    /// Bytes of the last routed request's canonical prompt.
+    pub fn canonical_len(&self) -> usize {
+        self.canonical.len()
+    }
+
+    /// Gives back parse buffers over `keep` bytes (a rare huge body).
+    pub fn shrink(&mut self, keep: usize) {
+        self.extractor = Extractor::default();
+        if self.canonical.capacity() > keep {
+            self.canonical = Vec::new();
+        }
+    }
 }
 
 /// A request's prompt blocks: their chained hashes, and the index slots the
@@ -109,18 +129,16 @@ pub struct PromptBlocks {
 pub struct Routed {
     pub choice: Choice,
     pub fleet: Arc<Fleet>,
-    /// Prompt blocks the first candidate must prefill.
-    pub uncached_blocks: u32,
 }
 
-/// What the request carries for routing.
-pub struct RouteRequest {
-    pub seed: u64,
-    pub session: Option<u64>,
-    /// False for requests without a prompt (e.g. `GET /v1/models`).
-    pub has_prompt: bool,
-    /// The endpoint (how the engine turns the prompt into tokens).
+/// What one request gives routing.
+pub struct RouteQuery<'a> {
+    /// The endpoint whose body carries the prompt; `None` for requests
+    /// without one (e.g. `GET /v1/models`), which go to the least loaded.
     pub endpoint: Option<Endpoint>,
+    pub body: &'a [u8],
+    /// `x-session-id`, hashed (the body's `user` stands in when absent).
+    pub session: Option<u64>,
 }
 
 impl Router {
@@ -143,21 +161,31 @@ impl Router {
             backends.push(Arc::new(backend));
             index.set_capacity(slot, kv);
         }
-        let precise = config
-            .precise
-            .enabled
-            .then(|| Arc::new(Precise::new(total, config.precise.settings())));
+        let config = Arc::new(ArcSwap::from_pointee(config));
+        let fleet = Arc::new(ArcSwap::from_pointee(Fleet { backends }));
+        let index = Arc::new(index);
+        let metrics = Metrics::new(Sources {
+            config: config.clone(),
+            fleet: fleet.clone(),
+            index: index.clone(),
+        });
+        let precise = {
+            let c = config.load();
+            c.precise
+                .enabled
+                .then(|| Arc::new(Precise::new(total, c.precise.settings())))
+        };
         let router = Arc::new(Router {
-            precise,
-            subscribers: std::sync::Mutex::new(Vec::new()),
-            config: ArcSwap::from_pointee(config),
-            fleet: ArcSwap::from_pointee(Fleet { backends }),
+            config,
+            fleet,
             index,
-            metrics: Metrics::default(),
+            metrics,
             ticket: AtomicU64::new(0),
             client_conns: AtomicUsize::new(0),
             retry_budget: RetryBudget::new(budget_percent),
             shutting_down: AtomicBool::new(false),
+            precise,
+            subscribers: std::sync::Mutex::new(Vec::new()),
         });
         router.sync_subscribers();
         Ok(router)
@@ -190,26 +218,39 @@ impl Router {
                 info!(slot, live = %ep.live, replay = ?ep.replay, "KV events: subscribing");
                 match Subscriber::spawn(p.clone(), slot, ep) {
                     Ok(s) => *sub = Some(s),
-                    Err(e) => tracing::warn!(slot, error = %e, "KV events: no subscriber thread"),
+                    Err(e) => warn!(slot, error = %e, "KV events: no subscriber thread"),
                 }
             }
         }
     }
 
-    /// Hashes the canonical prompt in `scratch.canonical` into `hashes` and
-    /// ranks backends.
+    /// Routes one request: extracts its prompt (400 when the body is not
+    /// what its endpoint takes), hashes it into `blocks`, ranks backends.
     pub fn route(
         &self,
-        req: &RouteRequest,
+        query: &RouteQuery,
         scratch: &mut RouteScratch,
         blocks: &mut PromptBlocks,
-    ) -> Routed {
+    ) -> Result<Routed, RouterError> {
+        let (seed, user, has_prompt) = match query.endpoint {
+            Some(ep) => {
+                let p = scratch
+                    .extractor
+                    .extract(ep, query.body, &mut scratch.canonical)?;
+                (p.seed, p.user, true)
+            }
+            None => {
+                scratch.canonical.clear();
+                (0, None, false)
+            }
+        };
+        let session = query.session.or(user);
         let PromptBlocks { hashes, found, .. } = blocks;
         let cfg = self.config.load();
         let fleet = self.fleet.load_full();
         hashes.clear();
-        if req.has_prompt {
-            block_hashes(req.seed, &scratch.canonical, cfg.prefix.block_bytes, hashes);
+        if has_prompt {
+            block_hashes(seed, &scratch.canonical, cfg.prefix.block_bytes, hashes);
         }
         let mut matches: Matches = [0; MAX_BACKENDS];
         if cfg.policy == Policy::Prefix && !hashes.is_empty() {
@@ -218,7 +259,7 @@ impl Router {
         }
         scratch.precise_mask = 0;
         blocks.keys.clear();
-        if let (Some(p), Some(ep), Policy::Prefix) = (&self.precise, req.endpoint, cfg.policy) {
+        if let (Some(p), Some(ep), Policy::Prefix) = (&self.precise, query.endpoint, cfg.policy) {
             self.precise_matches(
                 p,
                 ep,
@@ -232,7 +273,7 @@ impl Router {
         scratch.loads.clear();
         scratch.matches.clear();
         for b in &fleet.backends {
-            let mut load = b.load(cfg.limits.max_in_flight_per_backend);
+            let mut load = b.view(cfg.limits.max_in_flight_per_backend);
             load.cached_blocks = u32::try_from(self.index.tracked(b.slot)).unwrap_or(u32::MAX);
             if let Some(p) = self
                 .precise
@@ -246,32 +287,22 @@ impl Router {
             scratch.matches.push(matches[b.slot]);
         }
         same_hardware_same_rate(&mut scratch.loads);
-        scratch.cold_key = cold_key(
-            req.seed,
-            &scratch.canonical,
-            hashes,
-            cfg.prefix.cold_key_blocks,
-        );
+        scratch.cold_key = cold_key(seed, &scratch.canonical, hashes, cfg.prefix.cold_key_blocks);
         let input = RouteInput {
             matches: &scratch.matches,
             blocks: hashes.len() as u32,
             cold_key: scratch.cold_key,
-            session_key: req.session,
+            session_key: session,
             ticket: self.ticket.fetch_add(1, Relaxed),
         };
-        let policy = if req.has_prompt {
+        let policy = if has_prompt {
             cfg.policy
         } else {
             Policy::LeastRequest
         };
         // Candidates are positions in `fleet.backends`.
         let choice = select::select(policy, &input, &scratch.loads, &cfg.prefix.params());
-        let uncached_blocks = (hashes.len() as u32).saturating_sub(choice.matched_blocks);
-        Routed {
-            choice,
-            fleet,
-            uncached_blocks,
-        }
+        Ok(Routed { choice, fleet })
     }
 
     /// Precise mode: replaces, for every EXACT backend, its approximate
@@ -354,8 +385,20 @@ impl Router {
             .load()
             .backends
             .iter()
-            .map(|b| b.state.in_flight.load(Relaxed))
+            .map(|b| b.load.in_flight())
             .sum()
+    }
+
+    /// A request to `backend` failed (connect error, reset, 5xx, XDP resets):
+    /// after `health.passive_fall` in a row it is ejected, and forgotten by
+    /// the index, until probes pass.
+    pub fn request_failed(&self, backend: &Backend, why: &str) {
+        backend.stats.failed();
+        let fall = self.config.load().health.passive_fall;
+        if let (n, Some(_)) = backend.health.request_failed(fall) {
+            self.index.clear_backend(backend.slot);
+            warn!(backend = %backend.url, failures = n, last = why, "backend ejected after failed requests");
+        }
     }
 
     /// Records that `backend` was sent the prompt with these block hashes.
@@ -427,7 +470,7 @@ impl Router {
             return;
         }
         let slot = backend.slot;
-        let pinned = backend.state.in_flight_blocks.load(Relaxed);
+        let pinned = backend.load.in_flight_blocks();
         let held = usage.held_blocks(blocks.hashes.len() as u32);
         if held < predicted {
             // It computed what it was predicted to hold: that is allocation too.

@@ -6,6 +6,8 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
+use prefix_router::http::chunked::ChunkedDecoder;
+
 /// Read/write timeout of every socket operation.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -152,33 +154,32 @@ pub fn request_chunks(
     let body = if chunked {
         let mut body = Vec::new();
         let mut at = Instant::now();
+        let mut dec = ChunkedDecoder::new();
+        let mut data = Vec::new();
         loop {
-            // Parse as many complete chunks as the buffer holds.
-            let mut progressed = true;
-            while progressed {
-                progressed = false;
-                if let Some(eol) = buf.windows(2).position(|w| w == b"\r\n") {
-                    let line = String::from_utf8_lossy(&buf[..eol]).to_string();
-                    let size =
-                        usize::from_str_radix(line.split(';').next().unwrap_or("").trim(), 16)
-                            .map_err(|_| invalid("bad chunk size"))?;
-                    if size == 0 {
-                        return Ok((
-                            Response {
-                                status,
-                                headers: hdrs,
-                                body,
-                            },
-                            chunks,
-                        ));
-                    }
-                    if buf.len() >= eol + 2 + size + 2 {
-                        let data = buf[eol + 2..eol + 2 + size].to_vec();
-                        body.extend_from_slice(&data);
-                        chunks.push(Chunk { at, data });
-                        buf.drain(..eol + 2 + size + 2);
-                        progressed = true;
-                    }
+            // Decode chunk by chunk what the buffer holds; a chunk cut by
+            // the buffer's end is completed by the next read.
+            while !buf.is_empty() {
+                let used = dec
+                    .feed_chunk(&buf, Some(&mut data))
+                    .map_err(|e| invalid(&e.message))?;
+                buf.drain(..used);
+                if dec.is_done() {
+                    return Ok((
+                        Response {
+                            status,
+                            headers: hdrs,
+                            body,
+                        },
+                        chunks,
+                    ));
+                }
+                if dec.between_chunks() && !data.is_empty() {
+                    body.extend_from_slice(&data);
+                    chunks.push(Chunk {
+                        at,
+                        data: std::mem::take(&mut data),
+                    });
                 }
             }
             if read_more(&mut s, &mut buf)? == 0 {

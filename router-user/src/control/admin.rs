@@ -9,13 +9,12 @@ mod serve;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 
 use serde_json::json;
 use tracing::info;
 
-use crate::route::extract::{Endpoint, Extractor};
-use crate::router::{PromptBlocks, RouteRequest, RouteScratch, Router};
+use crate::route::extract::Endpoint;
+use crate::router::{PromptBlocks, RouteQuery, RouteScratch, Router};
 
 /// Re-reads the configuration source and applies it.
 pub type Reloader = Box<dyn Fn() -> anyhow::Result<()> + Send + Sync>;
@@ -66,11 +65,7 @@ fn handle(router: &Router, req: &Request, reload: &Reloader) -> Reply {
     match (req.method, req.path) {
         ("GET", "/health") => Reply::text(200, "ok\n"),
         ("GET", "/metrics") => {
-            let cfg = router.config.load();
-            let mut text =
-                router
-                    .metrics
-                    .render(&router.fleet.load(), &router.index, cfg.policy.name());
+            let mut text = router.metrics.render(crate::proxy::budget::in_use());
             if let Some(p) = &router.precise {
                 crate::precise::metrics::append(&mut text, p, &router.fleet.load());
             }
@@ -92,7 +87,7 @@ fn handle(router: &Router, req: &Request, reload: &Reloader) -> Reply {
             let Some(b) = fleet.backends.iter().find(|b| b.url == url) else {
                 return Reply::text(404, format!("no backend {url}\n"));
             };
-            b.state.draining.store(drain, Relaxed);
+            b.health.set_draining(drain);
             info!(backend = %b.url, drain, "backend drain changed by operator");
             Reply::json(200, &backends_json(router))
         }
@@ -124,35 +119,35 @@ fn backends_json(router: &Router) -> serde_json::Value {
         .backends
         .iter()
         .map(|b| {
-            let s = &b.state;
+            let (load, stats) = (&b.load, &b.stats);
             let blocks = router.index.len(b.slot);
             json!({
                 "url": b.url,
                 "slot": b.slot,
-                "healthy": s.healthy.load(Relaxed),
-                "draining": s.draining.load(Relaxed),
-                "in_flight": s.in_flight.load(Relaxed),
-                "queued_prefill_blocks": s.queued_prefill_blocks.load(Relaxed),
-                "open_connections": s.open_conns.load(Relaxed),
-                "external_connections": s.external_conns.load(Relaxed),
-                "resets_per_sec": s.rst_per_sec.load(Relaxed),
+                "healthy": b.health.is_healthy(),
+                "draining": b.health.is_draining(),
+                "in_flight": load.in_flight(),
+                "queued_prefill_blocks": load.queued_prefill_blocks(),
+                "open_connections": load.open_conns(),
+                "external_connections": load.external_conns(),
+                "resets_per_sec": load.resets_per_sec(),
                 "index_blocks": blocks,
                 "index_share": blocks as f64 / total,
-                "kv_blocks": s.kv_blocks.load(Relaxed),
+                "kv_blocks": router.index.capacity(b.slot),
                 "learned_capacity_blocks": b.feedback.capacity(),
-                "capacity_known": b.feedback.known_capacity.load(Relaxed) > 0,
+                "capacity_known": b.feedback.capacity_known(),
                 "prefill_blocks_per_s": b.feedback.prefill_rate(),
                 "prediction": {
-                    "reports": b.feedback.reports.load(Relaxed),
-                    "predicted_blocks": b.feedback.predicted_blocks.load(Relaxed),
-                    "reported_blocks": b.feedback.reported_blocks.load(Relaxed),
-                    "error_blocks": b.feedback.error_blocks.load(Relaxed),
-                    "over": b.feedback.over_predictions.load(Relaxed),
-                    "under": b.feedback.under_predictions.load(Relaxed),
-                    "flushes": b.feedback.flushes.load(Relaxed),
+                    "reports": b.feedback.reports(),
+                    "predicted_blocks": b.feedback.predicted_blocks(),
+                    "reported_blocks": b.feedback.reported_blocks(),
+                    "error_blocks": b.feedback.error_blocks(),
+                    "over": b.feedback.over_predictions(),
+                    "under": b.feedback.under_predictions(),
+                    "flushes": b.feedback.flushes(),
                 },
-                "requests": s.requests.load(Relaxed),
-                "errors": s.errors.load(Relaxed),
+                "requests": stats.requests(),
+                "errors": stats.errors(),
                 "precise": router
                     .precise
                     .as_ref()
@@ -165,23 +160,17 @@ fn backends_json(router: &Router) -> serde_json::Value {
 
 /// Which backend a request body would go to now, and why. Changes nothing.
 fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Value) {
-    let mut ex = Extractor::default();
     let mut scratch = RouteScratch::default();
-    let p = match ex.extract(ep, body, &mut scratch.canonical) {
-        Ok(p) => p,
+    let mut blocks = PromptBlocks::default();
+    let query = RouteQuery {
+        endpoint: Some(ep),
+        body,
+        session: None,
+    };
+    let routed = match router.route(&query, &mut scratch, &mut blocks) {
+        Ok(r) => r,
         Err(e) => return (e.status(), json!({ "error": e.message })),
     };
-    let mut blocks = PromptBlocks::default();
-    let routed = router.route(
-        &RouteRequest {
-            seed: p.seed,
-            session: p.user,
-            has_prompt: true,
-            endpoint: Some(ep),
-        },
-        &mut scratch,
-        &mut blocks,
-    );
     let fleet = &routed.fleet;
     let candidates: Vec<_> = routed
         .choice
@@ -212,7 +201,7 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
     (
         200,
         json!({
-            "canonical_bytes": scratch.canonical.len(),
+            "canonical_bytes": scratch.canonical_len(),
             "blocks": blocks.hashes.len(),
             "precise_blocks": router.precise.as_ref().map(|_| blocks.keys.len()),
             "matched_on": fleet.backends.iter().map(|b| {

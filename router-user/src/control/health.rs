@@ -8,33 +8,13 @@
 mod probe;
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use tracing::{debug, info, warn};
 
 use crate::config::ms;
-use crate::route::backend::Backend;
+use crate::route::backend::{Backend, Flip};
 use crate::router::Router;
-
-/// A request to `backend` failed (connect error, reset, 5xx). After
-/// `health.passive_fall` in a row the backend is ejected until probes pass.
-pub fn request_failed(router: &Router, backend: &Backend, why: &str) {
-    let s = &backend.state;
-    s.errors.fetch_add(1, Relaxed);
-    let n = s.failures_in_row.fetch_add(1, Relaxed) + 1;
-    if n >= router.config.load().health.passive_fall && s.healthy.swap(false, Relaxed) {
-        s.checks_ok_in_row.store(0, Relaxed);
-        router.index.clear_backend(backend.slot);
-        warn!(backend = %backend.url, failures = n, last = why, "backend ejected after failed requests");
-    }
-}
-
-pub fn request_succeeded(backend: &Backend) {
-    if backend.state.failures_in_row.load(Relaxed) != 0 {
-        backend.state.failures_in_row.store(0, Relaxed);
-    }
-}
 
 /// How often the supervisor looks for backends a reload added.
 const SUPERVISE_EVERY: Duration = Duration::from_millis(100);
@@ -108,12 +88,6 @@ fn run_prober(router: &Router, b: &Arc<Backend>) {
     }
 }
 
-/// One probe of one backend, and the state change it causes.
-pub fn probe_once(router: &Router, b: &Backend) {
-    let result = probe(router, b);
-    apply(router, b, result);
-}
-
 /// `GET health.path`; `Ok` on a 2xx answer within `health.timeout_ms`.
 fn probe(router: &Router, b: &Backend) -> Result<(), String> {
     let cfg = router.config.load();
@@ -126,30 +100,24 @@ fn probe(router: &Router, b: &Backend) -> Result<(), String> {
 }
 
 fn apply(router: &Router, b: &Backend, result: Result<(), String>) {
-    router.metrics.observe_probe(b.slot, result.is_ok());
+    b.stats.probed(result.is_ok());
     let cfg = router.config.load();
     let h = &cfg.health;
-    let s = &b.state;
-    match result {
-        Ok(()) => {
-            s.checks_failed_in_row.store(0, Relaxed);
-            let n = s.checks_ok_in_row.fetch_add(1, Relaxed) + 1;
-            if n >= h.rise && !s.healthy.load(Relaxed) {
-                s.failures_in_row.store(0, Relaxed);
-                s.healthy.store(true, Relaxed);
+    let flip = b.health.observe_probe(result.is_ok(), h.rise, h.fall);
+    match (result, flip) {
+        (Ok(()), flip) => {
+            if flip == Some(Flip::Up) {
                 info!(backend = %b.url, "backend is healthy again");
             }
-            if cfg.prefix.read_kv_capacity && !s.kv_known.swap(true, Relaxed) {
+            if cfg.prefix.read_kv_capacity && b.feedback.first_capacity_lookup() {
                 read_capacity(router, b);
             }
         }
-        Err(why) => {
+        (Err(why), flip) => {
             debug!(backend = %b.url, path = %h.path, error = %why, "health probe failed");
-            s.checks_ok_in_row.store(0, Relaxed);
-            let n = s.checks_failed_in_row.fetch_add(1, Relaxed) + 1;
-            if n >= h.fall && s.healthy.swap(false, Relaxed) {
+            if flip == Some(Flip::Down) {
                 router.index.clear_backend(b.slot);
-                warn!(backend = %b.url, path = %h.path, failures = n, last = %why, "backend failed health checks; taken out");
+                warn!(backend = %b.url, path = %h.path, failures = h.fall, last = %why, "backend failed health checks; taken out");
             }
         }
     }
@@ -175,7 +143,6 @@ fn read_capacity(router: &Router, b: &Backend) {
     if let Some((block_size, blocks)) = parse_cache_config(&String::from_utf8_lossy(&answer.body)) {
         // Engine blocks hold `block_size` tokens of ~4 bytes each.
         let cap = (blocks * block_size * 4 / cfg.prefix.block_bytes.max(1)).max(1);
-        b.state.kv_blocks.store(cap, Relaxed);
         b.feedback.set_known_capacity(cap);
         router.index.set_capacity(b.slot, cap);
         info!(backend = %b.url, engine_blocks = blocks, block_size, index_blocks = cap, "read the engine's KV capacity");

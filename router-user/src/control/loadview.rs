@@ -4,15 +4,13 @@
 //! (XDP's live count minus this router's own) and its recent reset rate.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 use tracing::{debug, warn};
 
 use crate::config::ms;
 use crate::control::ebpf::{EbpfError, EbpfLoad};
-use crate::control::health;
-use crate::route::backend::Fleet;
+use crate::route::backend::{Fleet, XdpCounts};
 use crate::router::Router;
 
 /// Loads the XDP program per `ebpf.mode` for the current fleet. `Ok(None)`
@@ -83,25 +81,20 @@ fn refresh(
 ) {
     let threshold = router.config.load().ebpf.reset_failure_per_sec;
     for (i, (b, c)) in fleet.backends.iter().zip(snap).enumerate() {
-        let s = &b.state;
-        let own = u64::from(s.open_conns.load(Relaxed));
-        let external = c.live_connections().saturating_sub(own);
-        s.external_conns
-            .store(external.min(u64::from(u32::MAX)) as u32, Relaxed);
-        for (slot, v) in s
-            .xdp
-            .iter()
-            .zip([c.opened, c.closed, c.reset, c.packets, c.bytes])
-        {
-            slot.store(v, Relaxed);
-        }
+        b.stats.set_xdp(XdpCounts {
+            opened: c.opened,
+            closed: c.closed,
+            reset: c.reset,
+            packets: c.packets,
+            bytes: c.bytes,
+        });
         let resets = c.reset.saturating_sub(last_reset[i]);
         last_reset[i] = c.reset;
         let per_sec = (resets as f64 / secs.max(1e-3)) as u32;
-        s.rst_per_sec.store(per_sec, Relaxed);
+        b.load.set_observed(c.live_connections(), per_sec);
         if threshold > 0 && per_sec >= threshold {
-            health::request_failed(router, b, "connection resets seen by XDP");
+            router.request_failed(b, "connection resets seen by XDP");
         }
-        debug!(backend = %b.url, opened = c.opened, closed = c.closed, reset = c.reset, external, "XDP counters");
+        debug!(backend = %b.url, opened = c.opened, closed = c.closed, reset = c.reset, external = b.load.external_conns(), "XDP counters");
     }
 }

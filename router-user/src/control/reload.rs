@@ -6,14 +6,13 @@
 //! entries and their pooled connections.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 
 use anyhow::bail;
 use tracing::{info, warn};
 
 use crate::config::{Config, backend_addr};
+use crate::route::MAX_BACKENDS;
 use crate::route::backend::{Backend, Fleet};
-use crate::route::index::MAX_BACKENDS;
 use crate::router::Router;
 
 /// Swaps in `new`. Settings that need a restart (listen address, workers)
@@ -49,7 +48,6 @@ pub fn apply(router: &Router, mut new: Config) -> anyhow::Result<()> {
         let kv = bc.kv_blocks().unwrap_or(new.prefix.kv_blocks);
         router.index.clear_backend(slot);
         router.index.set_capacity(slot, kv);
-        router.metrics.clear_slot(slot);
         backends.push(Arc::new(Backend::new(
             slot,
             bc.url(),
@@ -62,7 +60,7 @@ pub fn apply(router: &Router, mut new: Config) -> anyhow::Result<()> {
         if !used[b.slot] {
             // Workers drop its pooled connections at their next sweep (they
             // watch for fleet swaps) and never pool one again.
-            b.state.removed.store(true, Relaxed);
+            b.health.mark_removed();
             router.index.clear_backend(b.slot);
             info!(backend = %b.url, "backend removed; its in-flight requests finish");
         }
@@ -74,9 +72,6 @@ pub fn apply(router: &Router, mut new: Config) -> anyhow::Result<()> {
             .find(|c| c.url() == b.url)
             .and_then(|c| c.kv_blocks())
         {
-            b.state
-                .kv_blocks
-                .store(kv, std::sync::atomic::Ordering::Relaxed);
             b.feedback.set_known_capacity(kv);
             router.index.set_capacity(b.slot, kv);
         }

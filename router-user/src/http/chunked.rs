@@ -53,6 +53,11 @@ impl ChunkedDecoder {
         self.state == State::Done
     }
 
+    /// True after a chunk's closing CRLF, before the next size line.
+    pub fn between_chunks(&self) -> bool {
+        self.state == State::Size { digits: 0 }
+    }
+
     /// Body bytes decoded so far.
     pub fn decoded_len(&self) -> u64 {
         self.decoded
@@ -61,10 +66,26 @@ impl ChunkedDecoder {
     /// Consumes bytes of `input`, appending the chunk data to `out` when given.
     /// Returns how many bytes were consumed: all of them, or fewer once the
     /// body has ended (the rest belongs to the next message).
-    pub fn feed(
+    pub fn feed(&mut self, input: &[u8], out: Option<&mut Vec<u8>>) -> Result<usize, RouterError> {
+        self.feed_until(input, out, false)
+    }
+
+    /// Like [`ChunkedDecoder::feed`], but returns once one chunk's data and
+    /// its CRLF are consumed: a client that times each chunk calls it once
+    /// per chunk.
+    pub fn feed_chunk(
+        &mut self,
+        input: &[u8],
+        out: Option<&mut Vec<u8>>,
+    ) -> Result<usize, RouterError> {
+        self.feed_until(input, out, true)
+    }
+
+    fn feed_until(
         &mut self,
         input: &[u8],
         mut out: Option<&mut Vec<u8>>,
+        one_chunk: bool,
     ) -> Result<usize, RouterError> {
         let mut i = 0;
         while i < input.len() {
@@ -131,6 +152,9 @@ impl ChunkedDecoder {
                         return Err(bad("chunk data not followed by CRLF"));
                     }
                     self.state = State::Size { digits: 0 };
+                    if one_chunk {
+                        return Ok(i + 1);
+                    }
                 }
                 State::TrailerStart => match b {
                     b'\r' => self.state = State::TrailerLf { empty_line: true },

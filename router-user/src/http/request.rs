@@ -7,7 +7,6 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use super::{MAX_HEADERS, has_token, is_hop_by_hop};
 use crate::error::{Kind, RouterError};
-use crate::route::extract::Endpoint;
 
 /// How the request body is framed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,8 +28,6 @@ pub struct RequestHead {
     pub expect_continue: bool,
     /// `x-session-id`, hashed.
     pub session: Option<u64>,
-    /// Set when the path is one whose body carries a prompt.
-    pub endpoint: Option<Endpoint>,
     /// Where the normalised path (no query) sits in the forwarded head.
     pub path: Range<usize>,
     /// The client speaks HTTP/1.0 (no chunked responses).
@@ -38,42 +35,18 @@ pub struct RequestHead {
 }
 
 impl RequestHead {
+    /// The method, from the forwarded head `fwd` it was written to.
+    pub fn method<'a>(&self, fwd: &'a [u8]) -> &'a str {
+        fwd.get(..self.path.start.saturating_sub(1))
+            .and_then(|m| std::str::from_utf8(m).ok())
+            .unwrap_or("-")
+    }
+
     /// The normalised path, from the forwarded head `fwd` it was written to.
     pub fn path<'a>(&self, fwd: &'a [u8]) -> &'a str {
         fwd.get(self.path.clone())
             .and_then(|p| std::str::from_utf8(p).ok())
             .unwrap_or("-")
-    }
-}
-
-/// The traffic port's allowlist: the inference API, plus `extra` (paths in
-/// normal form, any method). Anything else is a 404 (405 for a known path
-/// with the wrong method), answered without touching an engine. `fwd` is
-/// the forwarded head `head` was parsed into.
-pub fn check_route(head: &RequestHead, fwd: &[u8], extra: &[String]) -> Result<(), RouterError> {
-    let path = head.path(fwd);
-    let method = fwd.get(..head.path.start.saturating_sub(1)).unwrap_or(b"");
-    let allowed: &[&[u8]] = match path {
-        "/v1/chat/completions" | "/v1/completions" | "/generate" => &[b"POST"],
-        "/v1/models" => &[b"GET", b"HEAD"],
-        p if extra.iter().any(|e| e == p) => return Ok(()),
-        _ => {
-            return Err(RouterError::new(
-                Kind::NotFound,
-                format!("{path} is not served here (routes.extra_allowed adds paths)"),
-            ));
-        }
-    };
-    if allowed.contains(&method) {
-        Ok(())
-    } else {
-        Err(RouterError::new(
-            Kind::MethodNotAllowed,
-            format!(
-                "{path} takes {}",
-                if allowed.len() == 1 { "POST" } else { "GET" }
-            ),
-        ))
     }
 }
 
@@ -208,9 +181,6 @@ pub fn parse(
         keep_alive,
         expect_continue,
         session,
-        endpoint: std::str::from_utf8(&forward[path.clone()])
-            .ok()
-            .and_then(|p| Endpoint::from_path(method, p)),
         path,
         http10: version == 0,
     }))
@@ -348,6 +318,7 @@ mod tests {
         let mut fwd = Vec::new();
         let raw = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\nExpect: 100-continue\r\nContent-Length: 2\r\nX-Session-Id: s1\r\n\r\n{}";
         let h = parse(raw.as_bytes(), 8192, &mut fwd).unwrap().unwrap();
+        assert_eq!(h.method(&fwd), "POST");
         let fwd = String::from_utf8(fwd).unwrap();
         assert_eq!(
             fwd,
@@ -355,7 +326,6 @@ mod tests {
         );
         assert_eq!(h.body, BodyFraming::Length(2));
         assert!(h.expect_continue && h.keep_alive && h.session.is_some());
-        assert_eq!(h.endpoint, Some(Endpoint::Chat));
         assert_eq!(h.len, raw.len() - 2);
     }
 
@@ -422,7 +392,7 @@ mod tests {
             let raw = format!("POST {t} HTTP/1.1\r\n\r\n");
             let h = parse(raw.as_bytes(), 8192, &mut fwd).unwrap().unwrap();
             let line = String::from_utf8(fwd.clone()).unwrap();
-            (h.path(&fwd).to_owned(), h.endpoint, line)
+            (h.path(&fwd).to_owned(), line)
         };
         for t in [
             "/v1/chat/completions",
@@ -435,15 +405,10 @@ mod tests {
             "http://engine:8000/v1/chat/completions",
             "HTTPS://engine/v1/chat/completions",
         ] {
-            let (path, ep, _) = norm(t);
-            assert_eq!(path, "/v1/chat/completions", "{t}");
-            assert_eq!(ep, Some(Endpoint::Chat), "{t}");
+            assert_eq!(norm(t).0, "/v1/chat/completions", "{t}");
         }
-        let (path, ep, line) = norm("http://e/v1/completions?a=1&b=%2F");
-        assert_eq!(
-            (path.as_str(), ep),
-            ("/v1/completions", Some(Endpoint::Completions))
-        );
+        let (path, line) = norm("http://e/v1/completions?a=1&b=%2F");
+        assert_eq!(path, "/v1/completions");
         assert!(
             line.starts_with("POST /v1/completions?a=1&b=%2F HTTP/1.1\r\n"),
             "{line}"

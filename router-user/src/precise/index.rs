@@ -28,7 +28,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use super::events::EngineHash;
 use super::keys::block_key;
-use crate::route::index::{MAX_BACKENDS, Matches, bits};
+use crate::route::MAX_BACKENDS;
+use crate::route::index::{Matches, bits};
 
 /// Slots probed for a key from its home slot. Past them an insert displaces
 /// a block, which cuts every chain through it: with 8 (as `route::index`)

@@ -16,7 +16,6 @@
 //! [`Precise::matches`] and [`Precise::guard`] (atomics, no lock, no I/O).
 
 pub mod confidence;
-pub mod config;
 pub mod events;
 pub mod index;
 pub mod keys;
@@ -30,9 +29,10 @@ use confidence::{Confidence, Reason, State};
 use events::{Batch, Event};
 use index::{PreciseIndex, StoreMiss};
 
-use crate::route::index::{MAX_BACKENDS, Matches};
+use crate::route::MAX_BACKENDS;
+use crate::route::index::Matches;
 
-/// Tuning of precise mode (config `[precise]`, documented there).
+/// Tuning of precise mode (`config::precise`, `[precise]`, documented there).
 #[derive(Clone, Copy, Debug)]
 pub struct Settings {
     /// Tokens per engine block when an event does not say.

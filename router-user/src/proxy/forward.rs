@@ -1,26 +1,26 @@
-//! Forwarding one request to one backend and streaming the response back as
-//! it arrives: every chunk the backend sends is written to the client at
-//! once (TCP_NODELAY on both sides), so SSE tokens are not held back.
+//! Transport for one attempt: send the request on a connection to one
+//! backend and stream the response back as it arrives. Every chunk the
+//! backend sends is written to the client at once (TCP_NODELAY on both
+//! sides), so SSE tokens are not held back. Deciding, learning, re-sending
+//! and health are the request path's (`request`), not this file's.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 use monoio::net::TcpStream;
 use tracing::{debug, info};
 
 use crate::config::{Config, ms};
-use crate::control::health;
-use crate::error::{Kind, RouterError};
+use crate::error::{Kind, Resend, RouterError};
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{BodyFraming, RequestHead};
 use crate::http::response::{self, ResponseFraming};
-use crate::proxy::conn::{ClientConn, Worker};
+use crate::proxy::client::{Body, ClientConn, Request};
 use crate::proxy::io::{Read, read_more, write_all, write_range};
-use crate::proxy::pool::BackendConn;
+use crate::proxy::pool::{BackendConn, Pool};
 use crate::route::backend::{Backend, InFlight};
-use crate::route::feedback::UsageScanner;
-use crate::router::Routed;
+use crate::route::feedback::{Usage, UsageScanner};
+use crate::route::select::Decision;
 
 /// Bodies up to this size are copied behind the head and sent in one write;
 /// larger ones go in a second write straight from the receive buffer.
@@ -28,13 +28,14 @@ const COALESCE_BODY: usize = 64 * 1024;
 /// Largest response head accepted from a backend.
 const MAX_RESPONSE_HEAD: usize = 64 * 1024;
 
-/// Where the request body is.
-#[derive(Clone, Copy, Debug)]
-pub enum Body {
-    /// In the client buffer, as received (Content-Length framing).
-    InBuf { start: usize, end: usize },
-    /// Decoded from chunked framing into `ClientConn::body`.
-    Decoded,
+/// One send of a request to one backend.
+pub struct Attempt<'a> {
+    pub backend: &'a Arc<Backend>,
+    /// Prompt blocks routing found the backend holding.
+    pub matched_blocks: u32,
+    pub decision: Decision,
+    /// Only a fresh connection (a pooled one just failed).
+    pub fresh_only: bool,
 }
 
 /// Why an attempt did not complete.
@@ -42,50 +43,51 @@ pub enum Failure {
     /// No backend can have processed the request: send it again, for this
     /// reason (counted toward `retry.max_attempts` and the retry budget).
     Retry(RouterError, Resend),
-    /// Answer the client with this error (nothing was sent to it yet).
+    /// The backend failed before any response byte reached the client:
+    /// answer the client with this error.
     Answer(RouterError),
-    /// Response bytes already reached the client and the stream broke: the
-    /// client connection must close so the client sees a truncated response.
-    Abort,
-    /// The backend reached `limits.max_in_flight_per_backend` after it was
-    /// chosen (another worker took the last slot); nothing was sent.
+    /// The backend read the request whole and closed without a byte: a
+    /// 502, never sent again (it may have run the generation).
+    Unanswered(RouterError),
+    /// Response bytes already reached the client and the backend's stream
+    /// broke: the client connection closes, so it sees a truncated response.
+    BrokeMidStream(&'static str),
+    /// The client stopped reading or went away mid-response.
+    ClientGone,
+    /// Admission: the backend reached `limits.max_in_flight_per_backend`
+    /// after it was chosen (another worker took the last slot); nothing was
+    /// sent.
     Full,
 }
 
-/// Why a request is sent again; the `reason` label of
-/// `prefix_router_resends_total`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Resend {
-    /// A pooled connection failed before the request was written whole: the
-    /// same backend, on a fresh connection.
-    StalePooled,
-    /// Connecting to the backend failed or timed out: the next candidate.
-    ConnectFailed,
-    /// A fresh connection broke before the request was written whole: the
-    /// next candidate.
-    WriteFailed,
-}
-
-impl Resend {
-    pub const ALL: [Resend; 3] = [
-        Resend::StalePooled,
-        Resend::ConnectFailed,
-        Resend::WriteFailed,
-    ];
-
-    pub fn name(self) -> &'static str {
+impl Failure {
+    /// What the backend did wrong, if it is to blame (for passive health).
+    pub fn backend_fault(&self) -> Option<&str> {
         match self {
-            Resend::StalePooled => "stale_pooled",
-            Resend::ConnectFailed => "connect_failed",
-            Resend::WriteFailed => "write_failed",
+            Failure::Retry(e, r) if r.blames_backend() => Some(&e.message),
+            Failure::Answer(e) | Failure::Unanswered(e) => Some(&e.message),
+            Failure::BrokeMidStream(why) => Some(why),
+            _ => None,
         }
     }
+}
+
+/// A response relayed whole.
+pub struct Answered {
+    pub status: u16,
+    /// The client connection must close afterwards.
+    pub close_client: bool,
+    /// What the engine said it had cached of the prompt.
+    pub usage: Option<Usage>,
+    /// The answer was an event stream (its first byte is a first token).
+    pub streaming: bool,
+    pub first_body_at: Option<Instant>,
 }
 
 /// Completes `c.fwd` (the forwarded head) with the body's length and, when
 /// small, the body itself.
 pub fn finish_request_head(c: &mut ClientConn, head: &RequestHead, body: Body) {
-    let len = body_slice(c, body).len();
+    let len = c.body_bytes(body).len();
     if head.body != BodyFraming::None {
         c.fwd
             .extend_from_slice(format!("content-length: {len}\r\n").as_bytes());
@@ -105,77 +107,39 @@ pub fn finish_request_head(c: &mut ClientConn, head: &RequestHead, body: Body) {
     }
 }
 
-fn body_slice(c: &ClientConn, body: Body) -> &[u8] {
-    match body {
-        Body::InBuf { start, end } => &c.buf[start..end],
-        Body::Decoded => &c.body,
-    }
-}
-
-/// Sends the request to `backend` and streams the response to the client.
-/// `Ok(true)`: the client connection must close afterwards.
-#[allow(clippy::too_many_arguments)]
+/// Sends the request on a connection to `at.backend` and streams the
+/// response to the client, each read written before the next is taken.
+/// Transport only: the request path (`request`) admits, learns and reports.
 pub async fn forward(
-    worker: &Worker,
+    pool: &Pool,
     cfg: &Config,
     c: &mut ClientConn,
-    head: &RequestHead,
-    body: Body,
-    backend: &Arc<Backend>,
-    routed: &Routed,
-    matched_blocks: u32,
-    fresh_only: bool,
-) -> Result<bool, Failure> {
-    let router = &worker.router;
-    let uncached = (c.blocks.hashes.len() as u32).saturating_sub(matched_blocks);
-    // Routing saw room, but workers route concurrently: reserve the slot with
-    // a compare-and-swap so the limit holds exactly, then hand it to `inflight`.
-    let max = cfg.limits.max_in_flight_per_backend;
-    if max > 0
-        && backend
-            .state
-            .in_flight
-            .fetch_update(Relaxed, Relaxed, |n| (n < max).then_some(n + 1))
-            .is_err()
-    {
-        return Err(Failure::Full);
-    }
-    let prompt_blocks = c.blocks.hashes.len() as u32;
-    // Prefill work ahead of this request, for learning the engine's rate.
-    let queued_ahead = backend.state.queued_prefill_blocks.load(Relaxed);
-    let mut inflight = InFlight::start(backend.clone(), uncached, prompt_blocks);
-    let sent_at = Instant::now();
-    if max > 0 {
-        // `inflight` counts the request now; give back the reservation.
-        backend.state.in_flight.fetch_sub(1, Relaxed);
-    }
-    router.learn(backend, &mut c.blocks, matched_blocks);
-
+    req: Request<'_>,
+    at: &Attempt<'_>,
+    inflight: &mut InFlight,
+) -> Result<Answered, Failure> {
+    let (head, body, backend) = (req.head, req.body, at.backend);
     // The delivery rule: a request goes again (to this backend on a fresh
     // connection, or to the next candidate) only when no backend can have
     // processed it: the connection failed, or broke before the request was
     // written whole. Once it was written whole, a close without a response
     // byte is a 502: the engine may have run the generation.
-    let mut bc = get_conn(worker, cfg, backend, fresh_only)
+    let mut bc = get_conn(pool, cfg, backend, at.fresh_only)
         .await
-        .map_err(|e| {
-            health::request_failed(router, backend, &e.to_string());
-            Failure::Retry(e, Resend::ConnectFailed)
-        })?;
-    let rhead = match exchange(cfg, c, head, body, &mut bc, &mut inflight).await {
+        .map_err(|e| Failure::Retry(e, Resend::ConnectFailed))?;
+    let rhead = match exchange(cfg, c, head, body, &mut bc, inflight).await {
         Ok(h) => h,
         Err(Exchange::NotSent(why)) if bc.reused => {
             debug!(backend = %backend.url, why, "pooled connection failed before the request was written; sending it on a fresh one");
             return Err(Failure::Retry(
-                RouterError::retryable(Kind::BadGateway, "a pooled backend connection failed")
+                RouterError::new(Kind::BadGateway, "a pooled backend connection failed")
                     .with_detail(format!("backend {}: {why}", backend.url)),
                 Resend::StalePooled,
             ));
         }
         Err(Exchange::NotSent(why)) => {
-            health::request_failed(router, backend, why);
             return Err(Failure::Retry(
-                RouterError::retryable(
+                RouterError::new(
                     Kind::BadGateway,
                     "sending the request to the backend failed",
                 )
@@ -184,9 +148,7 @@ pub async fn forward(
             ));
         }
         Err(Exchange::Unanswered(why)) => {
-            health::request_failed(router, backend, why);
-            router.metrics.unanswered();
-            return Err(Failure::Answer(
+            return Err(Failure::Unanswered(
                 RouterError::new(
                     Kind::BadGateway,
                     "the backend closed the connection without answering; the request is not sent again, as the backend may have processed it",
@@ -194,10 +156,7 @@ pub async fn forward(
                 .with_detail(format!("backend {}: {why}", backend.url)),
             ));
         }
-        Err(Exchange::Failed(e)) => {
-            health::request_failed(router, backend, &e.message);
-            return Err(Failure::Answer(e));
-        }
+        Err(Exchange::Failed(e)) => return Err(Failure::Answer(e)),
     };
 
     // The client's head: the backend's, hop-by-hop headers dropped, ours added.
@@ -210,7 +169,7 @@ pub async fn forward(
         let _ = write!(
             c.out,
             "x-prefix-router-backend: {}\r\nx-prefix-router-matched-blocks: {}\r\nx-prefix-router-decision: {:?}\r\n",
-            backend.url, matched_blocks, routed.choice.decision
+            backend.url, at.matched_blocks, at.decision
         );
     }
     if close_client {
@@ -243,17 +202,16 @@ pub async fn forward(
         let fed = tracker.feed(bytes, dechunk.then_some(&mut c.out));
         let (take, done) = match fed {
             Ok(x) => x,
+            Err(e) if first => {
+                // Nothing reached the client yet: still a clean 502.
+                return Err(Failure::Answer(RouterError::new(
+                    Kind::BadGateway,
+                    format!("backend sent an invalid response body ({})", e.message),
+                )));
+            }
             Err(e) => {
-                health::request_failed(router, backend, &e.message);
-                if first {
-                    // Nothing reached the client yet: still a clean 502.
-                    return Err(Failure::Answer(RouterError::new(
-                        Kind::BadGateway,
-                        format!("backend sent an invalid response body ({})", e.message),
-                    )));
-                }
                 debug!(backend = %backend.url, error = %e.message, "invalid response body mid-stream; closing the client connection");
-                return Err(Failure::Abort);
+                return Err(Failure::BrokeMidStream("invalid response body"));
             }
         };
         leftover |= take < bytes.len();
@@ -285,42 +243,22 @@ pub async fn forward(
         match read_more(&mut bc.stream, &mut c.rbuf, idle).await {
             Read::Data(n) => (start, end) = (0, n),
             Read::Eof if rhead.framing == ResponseFraming::Close => break,
-            Read::Eof | Read::Err(_) | Read::TimedOut => {
-                health::request_failed(router, backend, "response stream broke");
+            Read::Eof | Read::Err | Read::TimedOut => {
                 debug!(backend = %backend.url, "backend stream ended early; closing the client connection");
-                return Err(Failure::Abort);
+                return Err(Failure::BrokeMidStream("response stream broke"));
             }
         }
     }
-    drop(inflight);
-    if (200..300).contains(&rhead.status) {
-        if let Some(u) = usage.usage() {
-            router.observe_answer(backend, &c.blocks, matched_blocks, u);
-        }
-        // Only a request that found no prefill queued ahead says how fast
-        // the engine prefills; behind a queue it measures the queue.
-        if streaming
-            && queued_ahead == 0
-            && let Some(t) = first_body_at
-        {
-            backend
-                .feedback
-                .observe_ttft(queued_ahead + uncached, (t - sent_at).as_secs_f64());
-        }
-    }
-    if rhead.status >= 500 {
-        health::request_failed(router, backend, "5xx answer");
-    } else {
-        health::request_succeeded(backend);
-    }
-    if !backend.state.removed.load(Relaxed) {
-        // A removed backend's slot may belong to another already.
-        router.metrics.observe_response(backend.slot, rhead.status);
-    }
     if rhead.reusable && !leftover {
-        worker.pool.put(bc, cfg.limits.max_idle_per_backend);
+        pool.put(bc, cfg.limits.max_idle_per_backend);
     }
-    Ok(close_client)
+    Ok(Answered {
+        status: rhead.status,
+        close_client,
+        usage: usage.usage(),
+        streaming,
+        first_body_at,
+    })
 }
 
 /// How an exchange failed before the response head was complete.
@@ -347,7 +285,7 @@ async fn exchange(
     let timeout = ms(cfg.timeouts.backend_idle_ms);
     let res = write_all(&mut bc.stream, &mut c.fwd, timeout).await;
     backend_written(cfg, c, res)?;
-    if body_slice(c, body).len() > COALESCE_BODY {
+    if c.body_bytes(body).len() > COALESCE_BODY {
         let res = match body {
             Body::InBuf { start, end } => {
                 write_range(&mut bc.stream, &mut c.buf, start, end, timeout).await
@@ -368,8 +306,8 @@ async fn exchange(
         {
             Read::Data(_) => inflight.prefilled(),
             Read::Eof if c.rbuf.is_empty() => return Err(Exchange::Unanswered("closed")),
-            Read::Err(_) if c.rbuf.is_empty() => return Err(Exchange::Unanswered("reset")),
-            Read::Eof | Read::Err(_) => {
+            Read::Err if c.rbuf.is_empty() => return Err(Exchange::Unanswered("reset")),
+            Read::Eof | Read::Err => {
                 return Err(Exchange::Failed(RouterError::new(
                     Kind::BadGateway,
                     "backend closed the connection in the middle of its response head",
@@ -440,20 +378,16 @@ fn client_gone(cfg: &Config, c: &mut ClientConn, e: &std::io::Error) -> Failure 
             "client accepted no response bytes (timeouts.client_write_ms); cutting it and its backend request"
         );
     }
-    Failure::Abort
+    Failure::ClientGone
 }
 
 async fn get_conn(
-    worker: &Worker,
+    pool: &Pool,
     cfg: &Config,
     backend: &Arc<Backend>,
     fresh_only: bool,
 ) -> Result<BackendConn, RouterError> {
-    if !fresh_only
-        && let Some(conn) = worker
-            .pool
-            .take(backend, ms(cfg.timeouts.backend_pool_idle_ms))
-    {
+    if !fresh_only && let Some(conn) = pool.take(backend, ms(cfg.timeouts.backend_pool_idle_ms)) {
         return Ok(conn);
     }
     let connect = TcpStream::connect_addr(backend.addr);
@@ -461,12 +395,12 @@ async fn get_conn(
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
             return Err(
-                RouterError::retryable(Kind::BadGateway, "cannot connect to the backend")
+                RouterError::new(Kind::BadGateway, "cannot connect to the backend")
                     .with_detail(format!("backend {}: {e}", backend.url)),
             );
         }
         Err(_) => {
-            return Err(RouterError::retryable(
+            return Err(RouterError::new(
                 Kind::BadGateway,
                 format!(
                     "connecting to the backend took over {} ms",
@@ -477,7 +411,7 @@ async fn get_conn(
         }
     };
     let _ = stream.set_nodelay(true);
-    Ok(BackendConn::new(stream, backend.clone()))
+    Ok(BackendConn::new(stream, backend))
 }
 
 /// Follows the response framing to find where the response ends.

@@ -13,8 +13,9 @@ use monoio::net::{ListenerOpts, TcpListener};
 use tracing::{debug, error, warn};
 
 use crate::error::{Kind, RouterError};
-use crate::proxy::conn::{self, Worker};
+use crate::proxy::conn;
 use crate::proxy::io::write_all;
+use crate::proxy::worker::Worker;
 use crate::router::Router;
 
 /// Submission queue entries per worker ring.
@@ -42,7 +43,7 @@ fn runtime() -> std::io::Result<Runtime> {
 /// 260 MB resident). A fixed threshold keeps every block above it in its own
 /// mapping, unmapped when freed and grown by `mremap` without a copy; below
 /// it (the usual prompts) the heap serves as before.
-pub const MMAP_THRESHOLD: usize = crate::proxy::conn::RETURN_ABOVE;
+pub const MMAP_THRESHOLD: usize = crate::proxy::worker::RETURN_ABOVE;
 
 fn fix_mmap_threshold() {
     #[cfg(target_env = "gnu")]

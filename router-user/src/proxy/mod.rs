@@ -1,9 +1,13 @@
 //! The traffic side: accept client connections, read requests, send each to
 //! the backend routing chose, stream the answer back.
 
+pub mod api;
 pub mod budget;
+pub mod client;
 pub mod conn;
 pub mod forward;
 pub mod io;
 pub mod listener;
 pub mod pool;
+pub mod request;
+pub mod worker;

@@ -6,36 +6,33 @@
 use std::cell::RefCell;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use monoio::net::TcpStream;
 
-use crate::route::backend::Backend;
-use crate::route::index::MAX_BACKENDS;
+use crate::route::MAX_BACKENDS;
+use crate::route::backend::{Backend, ConnCount};
 
-/// A connection to a backend; counted in the backend's `open_conns` while it lives.
+/// A connection to a backend; counted in the backend's open connections
+/// while it lives.
 pub struct BackendConn {
     pub stream: TcpStream,
-    backend: Arc<Backend>,
+    count: ConnCount,
     /// The connection came from the pool (it may have been closed by the peer).
     pub reused: bool,
 }
 
 impl BackendConn {
-    pub fn new(stream: TcpStream, backend: Arc<Backend>) -> BackendConn {
-        backend.state.open_conns.fetch_add(1, Relaxed);
+    pub fn new(stream: TcpStream, backend: &Arc<Backend>) -> BackendConn {
         BackendConn {
             stream,
-            backend,
+            count: backend.conn_opened(),
             reused: false,
         }
     }
-}
 
-impl Drop for BackendConn {
-    fn drop(&mut self) {
-        self.backend.state.open_conns.fetch_sub(1, Relaxed);
+    fn backend(&self) -> &Backend {
+        self.count.backend()
     }
 }
 
@@ -111,8 +108,8 @@ impl Pool {
     /// stack is full. A backend that is not removed owns its slot, so its
     /// generation replaces an older one's.
     pub fn put(&self, conn: BackendConn, max_per_backend: usize) {
-        let b = &conn.backend;
-        if b.state.removed.load(Relaxed) {
+        let b = conn.backend();
+        if b.health.is_removed() {
             return;
         }
         let mut stacks = self.stacks.borrow_mut();
@@ -133,9 +130,9 @@ impl Pool {
     /// backend that left the fleet.
     pub fn sweep(&self, max_idle: Duration) {
         for stack in self.stacks.borrow_mut().iter_mut() {
-            stack.idle.retain(|i| {
-                i.since.elapsed() <= max_idle && !i.conn.backend.state.removed.load(Relaxed)
-            });
+            stack
+                .idle
+                .retain(|i| i.since.elapsed() <= max_idle && !i.conn.backend().health.is_removed());
         }
     }
 }

@@ -4,7 +4,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -25,7 +25,9 @@ pub struct Backend {
     /// or another taking a freed slot, is a new generation, so nothing keyed
     /// by it (pooled connections) carries over.
     pub generation: u64,
-    pub state: BackendState,
+    pub load: Load,
+    pub health: Health,
+    pub stats: Stats,
     /// What its answers taught: prediction error, prefill rate.
     pub feedback: Feedback,
 }
@@ -33,77 +35,348 @@ pub struct Backend {
 /// The next `Backend::generation`.
 static GENERATIONS: AtomicU64 = AtomicU64::new(1);
 
-/// Live counters and health of a backend.
+/// What a backend has in flight, as this router counts it, and the
+/// connections the XDP counters see. Written by the request path (through
+/// [`InFlight`] and [`ConnCount`]) and the load view; read by selection.
 #[derive(Debug, Default)]
-pub struct BackendState {
-    pub in_flight: AtomicU32,
-    pub queued_prefill_blocks: AtomicU32,
+pub struct Load {
+    in_flight: AtomicU32,
+    queued_prefill_blocks: AtomicU32,
     /// Prompt blocks of its requests in flight (KV its running requests hold).
-    pub in_flight_blocks: AtomicU32,
+    in_flight_blocks: AtomicU32,
     /// This router's open connections to it (pooled and busy).
-    pub open_conns: AtomicU32,
+    open_conns: AtomicU32,
     /// Connections the XDP counters see beyond this router's own.
-    pub external_conns: AtomicU32,
+    external_conns: AtomicU32,
     /// Resets seen by XDP per second, recent.
-    pub rst_per_sec: AtomicU32,
-    pub healthy: AtomicBool,
-    pub draining: AtomicBool,
+    rst_per_sec: AtomicU32,
+}
+
+impl Load {
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Relaxed)
+    }
+
+    /// Uncached prompt blocks of its requests still waiting for a first byte.
+    pub fn queued_prefill_blocks(&self) -> u32 {
+        self.queued_prefill_blocks.load(Relaxed)
+    }
+
+    pub fn in_flight_blocks(&self) -> u32 {
+        self.in_flight_blocks.load(Relaxed)
+    }
+
+    pub fn open_conns(&self) -> u32 {
+        self.open_conns.load(Relaxed)
+    }
+
+    pub fn external_conns(&self) -> u32 {
+        self.external_conns.load(Relaxed)
+    }
+
+    pub fn resets_per_sec(&self) -> u32 {
+        self.rst_per_sec.load(Relaxed)
+    }
+
+    /// What the XDP counters show now: `live` connections in all (this
+    /// router's included) and the recent reset rate.
+    pub fn set_observed(&self, live: u64, resets_per_sec: u32) {
+        let external = live.saturating_sub(u64::from(self.open_conns()));
+        self.external_conns
+            .store(u32::try_from(external).unwrap_or(u32::MAX), Relaxed);
+        self.rst_per_sec.store(resets_per_sec, Relaxed);
+    }
+}
+
+/// A backend flipped up or down.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flip {
+    Up,
+    Down,
+}
+
+/// Whether a backend takes traffic: health with hysteresis (a backend flips
+/// only after `rise` or `fall` results in a row; each method returns the
+/// flip so the caller logs it once), an operator's drain, and removal by a
+/// reload.
+#[derive(Debug)]
+pub struct Health {
+    healthy: AtomicBool,
+    draining: AtomicBool,
     /// A reload took it out of the fleet; its in-flight requests finish,
     /// its connections are not pooled again.
-    pub removed: AtomicBool,
+    removed: AtomicBool,
     /// Failed requests in a row (passive health).
-    pub failures_in_row: AtomicU32,
+    failures_in_row: AtomicU32,
     /// Health probes passed / failed in a row.
-    pub checks_ok_in_row: AtomicU32,
-    pub checks_failed_in_row: AtomicU32,
-    /// The engine's capacity was read (or given in the config).
-    pub kv_known: AtomicBool,
-    /// Tracked-block capacity in the prefix index.
-    pub kv_blocks: AtomicUsize,
-    pub requests: AtomicU64,
-    pub errors: AtomicU64,
-    /// The XDP counters (opened, closed, reset, packets, bytes) as last read.
-    pub xdp: [AtomicU64; 5],
+    checks_ok_in_row: AtomicU32,
+    checks_failed_in_row: AtomicU32,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Health {
+            healthy: AtomicBool::new(true),
+            draining: AtomicBool::new(false),
+            removed: AtomicBool::new(false),
+            failures_in_row: AtomicU32::new(0),
+            checks_ok_in_row: AtomicU32::new(0),
+            checks_failed_in_row: AtomicU32::new(0),
+        }
+    }
+}
+
+impl Health {
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Relaxed)
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Relaxed)
+    }
+
+    pub fn is_removed(&self) -> bool {
+        self.removed.load(Relaxed)
+    }
+
+    /// Healthy and not drained: it may be sent new requests.
+    pub fn is_up(&self) -> bool {
+        self.is_healthy() && !self.is_draining()
+    }
+
+    pub fn set_draining(&self, drain: bool) {
+        self.draining.store(drain, Relaxed);
+    }
+
+    pub fn mark_removed(&self) {
+        self.removed.store(true, Relaxed);
+    }
+
+    /// An active probe passed or failed: up after `rise` passes in a row,
+    /// down after `fall` failures in a row.
+    pub fn observe_probe(&self, passed: bool, rise: u32, fall: u32) -> Option<Flip> {
+        if passed {
+            self.checks_failed_in_row.store(0, Relaxed);
+            let n = self.checks_ok_in_row.fetch_add(1, Relaxed) + 1;
+            if n >= rise && !self.healthy.swap(true, Relaxed) {
+                self.failures_in_row.store(0, Relaxed);
+                return Some(Flip::Up);
+            }
+        } else {
+            self.checks_ok_in_row.store(0, Relaxed);
+            let n = self.checks_failed_in_row.fetch_add(1, Relaxed) + 1;
+            if n >= fall && self.healthy.swap(false, Relaxed) {
+                return Some(Flip::Down);
+            }
+        }
+        None
+    }
+
+    /// A request to it failed (connect error, reset, 5xx): down after `fall`
+    /// in a row, until probes pass again. Returns the failures in a row and
+    /// whether this one took it down.
+    pub fn request_failed(&self, fall: u32) -> (u32, Option<Flip>) {
+        let n = self.failures_in_row.fetch_add(1, Relaxed) + 1;
+        if n >= fall && self.healthy.swap(false, Relaxed) {
+            self.checks_ok_in_row.store(0, Relaxed);
+            return (n, Some(Flip::Down));
+        }
+        (n, None)
+    }
+
+    pub fn request_succeeded(&self) {
+        if self.failures_in_row.load(Relaxed) != 0 {
+            self.failures_in_row.store(0, Relaxed);
+        }
+    }
+}
+
+/// What the XDP counters showed for a backend at their last read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct XdpCounts {
+    /// Connections accepted (SYN-ACK seen).
+    pub opened: u64,
+    /// Connections closed (FIN seen).
+    pub closed: u64,
+    /// Connections reset (RST seen).
+    pub reset: u64,
+    /// Packets it sent.
+    pub packets: u64,
+    /// Bytes it sent.
+    pub bytes: u64,
+}
+
+/// The class of an HTTP status, as responses are counted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StatusClass {
+    Success,
+    Redirect,
+    ClientError,
+    ServerError,
+    Other,
+}
+
+impl StatusClass {
+    pub const ALL: [StatusClass; 5] = [
+        StatusClass::Success,
+        StatusClass::Redirect,
+        StatusClass::ClientError,
+        StatusClass::ServerError,
+        StatusClass::Other,
+    ];
+
+    pub fn of(status: u16) -> StatusClass {
+        match status {
+            200..=299 => StatusClass::Success,
+            300..=399 => StatusClass::Redirect,
+            400..=499 => StatusClass::ClientError,
+            500..=599 => StatusClass::ServerError,
+            _ => StatusClass::Other,
+        }
+    }
+
+    /// The `status` label: `2xx` and so on.
+    pub fn name(self) -> &'static str {
+        match self {
+            StatusClass::Success => "2xx",
+            StatusClass::Redirect => "3xx",
+            StatusClass::ClientError => "4xx",
+            StatusClass::ServerError => "5xx",
+            StatusClass::Other => "other",
+        }
+    }
+}
+
+/// Totals for the operators: requests, failures, responses by status
+/// class, health probes, the XDP counters.
+#[derive(Debug, Default)]
+pub struct Stats {
+    requests: AtomicU64,
+    errors: AtomicU64,
+    /// Responses relayed, by `StatusClass` (its discriminant).
+    responses: [AtomicU64; StatusClass::ALL.len()],
+    probes_passed: AtomicU64,
+    probes_failed: AtomicU64,
+    xdp: std::sync::Mutex<XdpCounts>,
+}
+
+impl Stats {
+    /// A response with `status` was relayed from it.
+    pub fn responded(&self, status: u16) {
+        self.responses[StatusClass::of(status) as usize].fetch_add(1, Relaxed);
+    }
+
+    pub fn responses(&self, class: StatusClass) -> u64 {
+        self.responses[class as usize].load(Relaxed)
+    }
+
+    /// An active health probe of it passed or failed.
+    pub fn probed(&self, passed: bool) {
+        let c = if passed {
+            &self.probes_passed
+        } else {
+            &self.probes_failed
+        };
+        c.fetch_add(1, Relaxed);
+    }
+
+    /// Probes passed and failed since it joined the fleet.
+    pub fn probes(&self) -> (u64, u64) {
+        (
+            self.probes_passed.load(Relaxed),
+            self.probes_failed.load(Relaxed),
+        )
+    }
+
+    pub fn requests(&self) -> u64 {
+        self.requests.load(Relaxed)
+    }
+
+    pub fn errors(&self) -> u64 {
+        self.errors.load(Relaxed)
+    }
+
+    pub fn failed(&self) {
+        self.errors.fetch_add(1, Relaxed);
+    }
+
+    pub fn xdp(&self) -> XdpCounts {
+        *self.xdp.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn set_xdp(&self, counts: XdpCounts) {
+        *self.xdp.lock().unwrap_or_else(|e| e.into_inner()) = counts;
+    }
 }
 
 impl Backend {
     pub fn new(slot: usize, url: &str, addr: SocketAddr, kv_blocks: usize) -> Backend {
-        let b = Backend {
+        Backend {
             slot,
             url: url.to_owned(),
             addr,
             id_hash: xxh3_64(url.as_bytes()),
             generation: GENERATIONS.fetch_add(1, Relaxed),
-            state: BackendState::default(),
+            load: Load::default(),
+            health: Health::default(),
+            stats: Stats::default(),
             feedback: Feedback::new(kv_blocks),
-        };
-        b.state.healthy.store(true, Relaxed);
-        b.state.kv_blocks.store(kv_blocks, Relaxed);
-        b
+        }
+    }
+
+    /// Whether it may take one more request now: up, and under
+    /// `max_in_flight` (0: no limit).
+    pub fn has_room(&self, max_in_flight: u32) -> bool {
+        self.health.is_up() && (max_in_flight == 0 || self.load.in_flight() < max_in_flight)
+    }
+
+    /// Admits a request of `prompt_blocks` blocks, `prefill_blocks` of them
+    /// uncached, if it is under `max_in_flight` (0: no limit): one
+    /// compare-and-swap, so the limit holds exactly while workers admit
+    /// concurrently. The guard counts it until dropped.
+    pub fn admit(
+        self: &Arc<Self>,
+        max_in_flight: u32,
+        prefill_blocks: u32,
+        prompt_blocks: u32,
+    ) -> Option<InFlight> {
+        let l = &self.load;
+        l.in_flight
+            .fetch_update(Relaxed, Relaxed, |n| {
+                (max_in_flight == 0 || n < max_in_flight).then_some(n + 1)
+            })
+            .ok()?;
+        l.queued_prefill_blocks.fetch_add(prefill_blocks, Relaxed);
+        l.in_flight_blocks.fetch_add(prompt_blocks, Relaxed);
+        self.stats.requests.fetch_add(1, Relaxed);
+        Some(InFlight {
+            backend: self.clone(),
+            prefill_blocks,
+            prompt_blocks,
+        })
+    }
+
+    /// Counts a connection to it while the guard lives.
+    pub fn conn_opened(self: &Arc<Self>) -> ConnCount {
+        self.load.open_conns.fetch_add(1, Relaxed);
+        ConnCount(self.clone())
     }
 
     /// The view selection gets.
-    pub fn load(&self, max_in_flight: u32) -> BackendLoad {
-        let s = &self.state;
-        let in_flight = s.in_flight.load(Relaxed);
+    pub fn view(&self, max_in_flight: u32) -> BackendLoad {
+        let l = &self.load;
         BackendLoad {
-            eligible: s.healthy.load(Relaxed)
-                && !s.draining.load(Relaxed)
-                && (max_in_flight == 0 || in_flight < max_in_flight),
-            in_flight,
-            queued_prefill_blocks: s.queued_prefill_blocks.load(Relaxed),
-            external_conns: s.external_conns.load(Relaxed),
+            eligible: self.has_room(max_in_flight),
+            in_flight: l.in_flight(),
+            queued_prefill_blocks: l.queued_prefill_blocks(),
+            external_conns: l.external_conns(),
             id_hash: self.id_hash,
-            in_flight_blocks: s.in_flight_blocks.load(Relaxed),
+            in_flight_blocks: l.in_flight_blocks(),
             capacity_blocks: u32::try_from(self.feedback.capacity()).unwrap_or(u32::MAX),
             prefill_rate: self.feedback.prefill_rate() as f32,
             // Set by the router, which owns the index.
             cached_blocks: 0,
         }
-    }
-
-    pub fn is_up(&self) -> bool {
-        self.state.healthy.load(Relaxed) && !self.state.draining.load(Relaxed)
     }
 }
 
@@ -125,7 +398,8 @@ impl Fleet {
 }
 
 /// Counts a request in flight on a backend until dropped, so every exit path
-/// (success, error, cancelled task) gives the load back.
+/// (success, error, cancelled task) gives the load back. Made by
+/// [`Backend::admit`].
 pub struct InFlight {
     backend: Arc<Backend>,
     prefill_blocks: u32,
@@ -133,31 +407,11 @@ pub struct InFlight {
 }
 
 impl InFlight {
-    /// Counts a request of `prompt_blocks` blocks, `prefill_blocks` of them
-    /// uncached, on `backend`.
-    pub fn start(backend: Arc<Backend>, prefill_blocks: u32, prompt_blocks: u32) -> InFlight {
-        backend.state.in_flight.fetch_add(1, Relaxed);
-        backend
-            .state
-            .queued_prefill_blocks
-            .fetch_add(prefill_blocks, Relaxed);
-        backend
-            .state
-            .in_flight_blocks
-            .fetch_add(prompt_blocks, Relaxed);
-        backend.state.requests.fetch_add(1, Relaxed);
-        InFlight {
-            backend,
-            prefill_blocks,
-            prompt_blocks,
-        }
-    }
-
     /// The first response byte arrived: the prompt is prefilled.
     pub fn prefilled(&mut self) {
         let n = std::mem::take(&mut self.prefill_blocks);
         self.backend
-            .state
+            .load
             .queued_prefill_blocks
             .fetch_sub(n, Relaxed);
     }
@@ -166,10 +420,25 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.prefilled();
-        self.backend
-            .state
-            .in_flight_blocks
-            .fetch_sub(self.prompt_blocks, Relaxed);
-        self.backend.state.in_flight.fetch_sub(1, Relaxed);
+        let l = &self.backend.load;
+        l.in_flight_blocks.fetch_sub(self.prompt_blocks, Relaxed);
+        l.in_flight.fetch_sub(1, Relaxed);
+    }
+}
+
+/// Counts an open connection to a backend until dropped. Made by
+/// [`Backend::conn_opened`].
+#[derive(Debug)]
+pub struct ConnCount(Arc<Backend>);
+
+impl ConnCount {
+    pub fn backend(&self) -> &Arc<Backend> {
+        &self.0
+    }
+}
+
+impl Drop for ConnCount {
+    fn drop(&mut self) {
+        self.0.load.open_conns.fetch_sub(1, Relaxed);
     }
 }

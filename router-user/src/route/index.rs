@@ -20,11 +20,10 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 
+use crate::route::MAX_BACKENDS;
+
 /// A block [`PrefixIndex::longest_matches_noting`] found no slot for.
 pub const NOT_FOUND: u32 = u32::MAX;
-
-/// The most backends the index can tell apart (one bit each in a slot).
-pub const MAX_BACKENDS: usize = 64;
 
 /// Slots probed for a key, starting at its home slot. 8 slots of 24 bytes are
 /// three cache lines; past them a key is not found and an insert evicts.
@@ -257,6 +256,14 @@ impl PrefixIndex {
             }
         }
         self.ring_lens[backend].store(0, Relaxed);
+    }
+
+    /// Blocks `backend` may hold (see [`PrefixIndex::set_capacity`]).
+    pub fn capacity(&self, backend: usize) -> usize {
+        self.rings[backend]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .capacity
     }
 
     /// Blocks tracked for `backend`, without taking its lock (may lag a

@@ -3,9 +3,13 @@
 //! holds which (index), what the engines' answers taught (feedback), the
 //! fleet's live facts (backend) and the ranking of backends (select).
 
-pub mod backend;
+/// The most backends a fleet holds: the index keeps one bit per backend in
+/// each block's owner mask, and every per-backend table has this many slots.
+pub const MAX_BACKENDS: usize = 64;
+
+pub(crate) mod backend;
 pub mod extract;
-pub mod feedback;
+pub(crate) mod feedback;
 pub mod hash;
 pub mod index;
 pub mod select;

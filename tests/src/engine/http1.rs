@@ -3,6 +3,7 @@
 //! response heads and chunks written into byte buffers.
 
 use bytes::{Buf, BytesMut};
+use prefix_router::http::chunked::ChunkedDecoder;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Largest request head accepted.
@@ -139,42 +140,15 @@ async fn read_body<S: AsyncRead + Unpin>(
 /// Decodes a complete chunked body at the start of `data`: the body and the
 /// bytes used, `None` if incomplete. Trailers are skipped.
 pub fn decode_chunked(data: &[u8]) -> Result<Option<(Vec<u8>, usize)>, ReadError> {
-    let mut pos = 0;
-    let mut spans = Vec::new();
-    loop {
-        let Some(eol) = memchr::memmem::find(&data[pos..], b"\r\n") else {
-            return Ok(None);
-        };
-        let line = std::str::from_utf8(&data[pos..pos + eol])
-            .map_err(|_| ReadError::Bad("bad chunk size"))?;
-        let size_str = line.split(';').next().unwrap_or("").trim();
-        let size =
-            usize::from_str_radix(size_str, 16).map_err(|_| ReadError::Bad("bad chunk size"))?;
-        pos += eol + 2;
-        if size == 0 {
-            loop {
-                let Some(eol) = memchr::memmem::find(&data[pos..], b"\r\n") else {
-                    return Ok(None);
-                };
-                pos += eol + 2;
-                if eol == 0 {
-                    let mut body = Vec::with_capacity(spans.iter().map(|(_, n)| n).sum());
-                    for (start, n) in spans {
-                        body.extend_from_slice(&data[start..start + n]);
-                    }
-                    return Ok(Some((body, pos)));
-                }
-            }
-        }
-        if size > MAX_BODY {
-            return Err(ReadError::Bad("request body too large"));
-        }
-        if data.len() < pos + size + 2 {
-            return Ok(None);
-        }
-        spans.push((pos, size));
-        pos += size + 2;
+    let mut dec = ChunkedDecoder::new();
+    let mut body = Vec::new();
+    let used = dec
+        .feed(data, Some(&mut body))
+        .map_err(|_| ReadError::Bad("bad chunked body"))?;
+    if dec.decoded_len() > MAX_BODY as u64 {
+        return Err(ReadError::Bad("request body too large"));
     }
+    Ok(dec.is_done().then_some((body, used)))
 }
 
 fn reason(status: u16) -> &'static str {

@@ -19,6 +19,15 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 use tokio::sync::mpsc::UnboundedReceiver;
 
+/// How a streamed answer goes: with a usage chunk at the end, cut after
+/// `drop_at` tokens (a fault), and whether the connection stays open.
+#[derive(Clone, Copy)]
+struct StreamHow {
+    include_usage: bool,
+    drop_at: Option<u32>,
+    keep_alive: bool,
+}
+
 /// Everything the connection tasks share.
 struct Server {
     engine: Arc<Mutex<Engine>>,
@@ -445,8 +454,12 @@ impl Server {
         );
         self.wake.notify_one();
         if job.stream {
-            self.stream(s, buf, out, &resp, rx, job.include_usage, drop_at, ka)
-                .await
+            let how = StreamHow {
+                include_usage: job.include_usage,
+                drop_at,
+                keep_alive: ka,
+            };
+            self.stream(s, buf, out, &resp, rx, how).await
         } else {
             let mut rx = rx;
             let mut last = Progress {
@@ -474,7 +487,6 @@ impl Server {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     async fn stream(
         &self,
         s: &mut Conn,
@@ -482,10 +494,13 @@ impl Server {
         out: &mut Vec<u8>,
         resp: &Responder<'_>,
         mut rx: UnboundedReceiver<Progress>,
-        include_usage: bool,
-        drop_at: Option<u32>,
-        ka: bool,
+        how: StreamHow,
     ) -> Result<bool, Dropped> {
+        let StreamHow {
+            include_usage,
+            drop_at,
+            keep_alive: ka,
+        } = how;
         out.clear();
         http1::head(out, 200, "text/event-stream", None, &self.engine_id, ka);
         s.write_all(out).await.map_err(|_| Dropped)?;

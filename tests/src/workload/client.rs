@@ -4,6 +4,8 @@
 
 use anyhow::{Context, bail};
 use bytes::{Buf, BytesMut};
+use prefix_router::http::chunked::ChunkedDecoder;
+use prefix_router::http::url::HttpUrl;
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::sync::Mutex;
@@ -25,24 +27,13 @@ pub struct Target {
 impl Target {
     /// Parses and resolves a base URL.
     pub async fn parse(url: &str) -> anyhow::Result<Self> {
-        let rest = url
-            .strip_prefix("http://")
-            .context("target must be an http:// URL")?;
-        let (hostport, path) = rest.split_once('/').map_or((rest, ""), |(h, p)| (h, p));
-        let hostport = if hostport.contains(':') {
-            hostport.to_string()
-        } else {
-            format!("{hostport}:80")
-        };
+        let u = HttpUrl::parse(url).context("target")?;
+        let hostport = u.host_port();
         let addr = tokio::net::lookup_host(&hostport)
             .await?
             .next()
             .context("target host does not resolve")?;
-        let mut prefix = format!("/{}", path.trim_end_matches('/'));
-        if prefix.ends_with("/v1") {
-            prefix.truncate(prefix.len() - 3);
-        }
-        let prefix = prefix.trim_end_matches('/').to_string();
+        let prefix = u.path.strip_suffix("/v1").unwrap_or(&u.path).to_string();
         Ok(Target {
             addr,
             host: hostport,
@@ -317,8 +308,7 @@ impl Client {
         let mut reader = BodyReader {
             framing,
             buf,
-            chunk_left: 0,
-            need_crlf: false,
+            chunked: ChunkedDecoder::new(),
             done: false,
         };
         let mut first = None;
@@ -438,8 +428,7 @@ enum Framing {
 struct BodyReader {
     framing: Framing,
     buf: BytesMut,
-    chunk_left: usize,
-    need_crlf: bool,
+    chunked: ChunkedDecoder,
     done: bool,
 }
 
@@ -481,56 +470,25 @@ impl BodyReader {
                 Ok(Some(self.buf.split().to_vec()))
             }
             Framing::Chunked => loop {
-                if self.chunk_left > 0 {
-                    if self.buf.is_empty() && self.fill(conn).await? == 0 {
-                        return Err(eof());
-                    }
-                    let n = self.chunk_left.min(self.buf.len());
-                    self.chunk_left -= n;
-                    self.need_crlf = self.chunk_left == 0;
-                    return Ok(Some(self.buf.split_to(n).to_vec()));
-                }
-                if self.need_crlf {
-                    while self.buf.len() < 2 {
-                        if self.fill(conn).await? == 0 {
-                            return Err(eof());
-                        }
-                    }
-                    if &self.buf[..2] != b"\r\n" {
-                        return Err(bad());
-                    }
-                    self.buf.advance(2);
-                    self.need_crlf = false;
-                }
-                let Some(eol) = memchr::memmem::find(&self.buf, b"\r\n") else {
-                    if self.fill(conn).await? == 0 {
-                        return Err(eof());
-                    }
-                    continue;
-                };
-                let line = std::str::from_utf8(&self.buf[..eol]).map_err(|_| bad())?;
-                let size = usize::from_str_radix(line.split(';').next().unwrap_or("").trim(), 16)
+                // Whatever the buffer holds, decoded; read more when it
+                // held no body bytes.
+                let mut out = Vec::new();
+                let used = self
+                    .chunked
+                    .feed(&self.buf, Some(&mut out))
                     .map_err(|_| bad())?;
-                self.buf.advance(eol + 2);
-                if size > 0 {
-                    self.chunk_left = size;
-                    continue;
+                self.buf.advance(used);
+                if self.chunked.is_done() {
+                    self.done = true;
                 }
-                // Trailer lines, then an empty line.
-                loop {
-                    match memchr::memmem::find(&self.buf, b"\r\n") {
-                        Some(0) => {
-                            self.buf.advance(2);
-                            self.done = true;
-                            return Ok(None);
-                        }
-                        Some(n) => self.buf.advance(n + 2),
-                        None => {
-                            if self.fill(conn).await? == 0 {
-                                return Err(eof());
-                            }
-                        }
-                    }
+                if !out.is_empty() {
+                    return Ok(Some(out));
+                }
+                if self.done {
+                    return Ok(None);
+                }
+                if self.fill(conn).await? == 0 {
+                    return Err(eof());
                 }
             },
         }

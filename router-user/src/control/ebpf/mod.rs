@@ -18,13 +18,12 @@
 //! program never drops a packet; nothing here runs on the request path
 //! (`snapshot` is for a refresh thread: one map lookup syscall per backend).
 
-mod config;
 mod counters;
 mod load;
 mod registry;
 mod routes;
 
-pub use config::{EbpfConfig, EbpfMode, XdpMode};
+pub use crate::config::ebpf::{EbpfConfig, EbpfMode, XdpMode};
 pub use counters::{BackendCounters, GlobalCounters};
 pub use load::EbpfLoad;
 

@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use aya::maps::PerCpuValues;
 use router_common::{
     BackendCounters as CpuCounters, BackendKey, GLOBAL_BACKEND_PACKETS, GLOBAL_NON_IP,
-    GLOBAL_NON_TCP, GLOBAL_PACKETS, GLOBAL_PARSE_FAILURES, MAX_BACKENDS,
+    GLOBAL_NON_TCP, GLOBAL_PACKETS, GLOBAL_PARSE_FAILURES, MAP_BACKEND_SLOTS,
 };
 
 use super::{BackendCounters, EbpfError, EbpfLoad, GlobalCounters};
@@ -25,10 +25,10 @@ impl EbpfLoad {
     /// may land on the old index and be lost. With no interfaces configured,
     /// interfaces routing to new backends are attached too.
     pub fn set_backends(&mut self, backends: &[SocketAddr]) -> Result<(), EbpfError> {
-        if backends.len() > MAX_BACKENDS as usize {
+        if backends.len() > MAP_BACKEND_SLOTS as usize {
             return Err(EbpfError::TooManyBackends {
                 count: backends.len(),
-                max: MAX_BACKENDS,
+                max: MAP_BACKEND_SLOTS,
             });
         }
         for (i, b) in backends.iter().enumerate() {

@@ -86,7 +86,8 @@ fn memory_per_tracked_block() {
 
 proptest! {
     /// Whatever is inserted, no backend ever tracks more than its capacity,
-    /// and every match reported is a real prefix of what it was sent.
+    /// and every match reported is a prefix of the request made only of
+    /// blocks that backend was sent.
     #[test]
     fn capacity_bound_always_holds(ops in proptest::collection::vec((0usize..3, 0u64..20, 1usize..40), 1..60),
                                    caps in proptest::collection::vec(0usize..200, 3)) {
@@ -94,13 +95,23 @@ proptest! {
         for (b, &c) in caps.iter().enumerate() {
             idx.set_capacity(b, c);
         }
+        // Every block each backend was ever sent.
+        let mut sent = vec![std::collections::HashSet::new(); caps.len()];
         for (b, seed, n) in ops {
             let req = chain(seed, n);
             idx.insert(b, &req);
+            sent[b].extend(req.iter().copied());
             prop_assert!(idx.len(b) <= caps[b]);
             let mut m = [0; MAX_BACKENDS];
             idx.longest_matches(&req, 0b111, &mut m);
-            prop_assert!(m[b] as usize <= n);
+            for (x, held) in sent.iter().enumerate() {
+                let k = m[x] as usize;
+                prop_assert!(k <= n, "backend {} matched {} of {} blocks", x, k, n);
+                prop_assert!(
+                    req[..k].iter().all(|h| held.contains(h)),
+                    "backend {} matched {} blocks it was never sent", x, k
+                );
+            }
         }
     }
 }

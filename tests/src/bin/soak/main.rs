@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use prefix_router::http::chunked::ChunkedDecoder;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
@@ -361,7 +362,8 @@ fn one_request(addr: SocketAddr, body: &[u8]) -> Outcome {
         if let Some((status, _, chunked, len, n)) = &head {
             let body = &buf[*n..];
             let complete = if *chunked {
-                body.ends_with(b"\r\n0\r\n\r\n")
+                let mut dec = ChunkedDecoder::new();
+                dec.feed(body, None).is_ok_and(|_| dec.is_done())
             } else {
                 len.is_some_and(|l| body.len() >= l)
             };

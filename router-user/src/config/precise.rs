@@ -4,8 +4,8 @@
 
 use serde::Deserialize;
 
-use super::subscriber::Endpoints;
-use crate::config::BackendConfig;
+use super::BackendConfig;
+use crate::precise::subscriber::Endpoints;
 
 /// Precise mode: off by default (the approximate index alone routes).
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -40,7 +40,7 @@ impl Default for PreciseConfig {
             port: 5557,
             replay_port: None,
             topic: String::new(),
-            block_tokens: super::keys::DEFAULT_BLOCK_TOKENS,
+            block_tokens: crate::precise::keys::DEFAULT_BLOCK_TOKENS,
             burst_ms: 2000,
             recover_ms: 10_000,
         }
@@ -48,8 +48,8 @@ impl Default for PreciseConfig {
 }
 
 impl PreciseConfig {
-    pub fn settings(&self) -> super::Settings {
-        super::Settings {
+    pub fn settings(&self) -> crate::precise::Settings {
+        crate::precise::Settings {
             block_tokens: self.block_tokens.max(1),
             burst_ms: self.burst_ms,
             recover_ms: self.recover_ms,

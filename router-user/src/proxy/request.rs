@@ -1,0 +1,260 @@
+//! The request path, in one place: route a request read whole, send it to
+//! the first candidate, learn what was sent, re-send only where no backend
+//! can have processed it, and report what the answer says of the backend.
+//! `forward` below it is transport only.
+
+use std::time::{Duration, Instant};
+
+use tracing::warn;
+
+use crate::config::{Config, ms};
+use crate::error::{Kind, Resend, RouterError};
+use crate::proxy::api;
+use crate::proxy::client::{Body, ClientConn, Request};
+use crate::proxy::forward::{self, Attempt, Failure};
+use crate::proxy::worker::Worker;
+use crate::router::{RouteQuery, Routed};
+
+/// How often a request queued for room under `limits.max_in_flight_per_backend`
+/// checks the backends' in-flight counters (atomic loads; it routes again only
+/// when one has room). 1 ms is short next to a generation and cheap to poll.
+const QUEUE_POLL: Duration = Duration::from_millis(1);
+
+/// Routes a request read whole and sends it, with re-sends where the
+/// delivery rule allows them. `Ok(true)` when the client connection must
+/// close (close-delimited response).
+pub async fn handle(
+    worker: &Worker,
+    cfg: &Config,
+    c: &mut ClientConn,
+    req: Request<'_>,
+) -> Result<bool, RouterError> {
+    let router = &worker.router;
+    api::check_route(req.head, &c.fwd, &cfg.routes.extra_allowed)?;
+    let deadline = Instant::now() + ms(cfg.timeouts.queue_ms);
+    let mut head_finished = false;
+    // Sends so far, the reason for the next one, and whether the first paid
+    // into the retry budget; kept across re-routing after slot races.
+    let mut attempts = 0;
+    let mut resend: Option<Resend> = None;
+    let mut deposited = false;
+    loop {
+        let mut routed = route_once(worker, c, req)?;
+        let queued = routed.choice.len == 0 && queueable(cfg, &routed);
+        if queued {
+            // Every up backend is at `limits.max_in_flight_per_backend`: wait
+            // for room (atomic loads only), then route again, until `queue_ms`.
+            while routed.choice.len == 0 && Instant::now() < deadline {
+                monoio::time::sleep(QUEUE_POLL).await;
+                if has_room(cfg, &routed) {
+                    routed = route_once(worker, c, req)?;
+                }
+            }
+        }
+        router.metrics.observe_routing(
+            routed.choice.decision,
+            routed.choice.matched_blocks,
+            req.read_at.elapsed(),
+        );
+        if routed.choice.len == 0 {
+            return Err(if queued {
+                at_limit(cfg)
+            } else {
+                RouterError::new(
+                    Kind::Unavailable,
+                    "no backend is up: every backend is unhealthy, draining or at its in-flight limit",
+                )
+            });
+        }
+        if !head_finished {
+            forward::finish_request_head(c, req.head, req.body);
+            head_finished = true;
+        }
+        // Every send counts toward `retry.max_attempts` and, after the
+        // first, takes a token from the retry budget: a re-send is only ever
+        // of a request no backend can have processed (see `forward`).
+        let mut last = None;
+        let mut full = false;
+        let mut i = 0;
+        let mut fresh_only = false;
+        while i < routed.choice.len && attempts < cfg.retry.max_attempts {
+            if let Some(reason) = resend {
+                if !router.retry_budget.withdraw() {
+                    warn!(
+                        reason = reason.name(),
+                        "retry budget spent: not re-sending (retry.budget_percent)"
+                    );
+                    break;
+                }
+            } else if !deposited {
+                router.retry_budget.deposit();
+                deposited = true;
+            }
+            let pos = usize::from(routed.choice.candidates[i]);
+            let backend = routed.fleet.backends[pos].clone();
+            let matched = if i == 0 {
+                routed.choice.matched_blocks
+            } else {
+                0
+            };
+            let at = Attempt {
+                backend: &backend,
+                matched_blocks: matched,
+                decision: routed.choice.decision,
+                fresh_only,
+            };
+            let sent = attempt(worker, cfg, c, req, &at).await;
+            if !matches!(sent, Err(Failure::Full))
+                && let Some(reason) = resend.take()
+            {
+                router.metrics.resent(reason);
+            }
+            match sent {
+                Ok(close) => return Ok(close),
+                Err(Failure::Retry(e, reason)) => {
+                    attempts += 1;
+                    warn!(backend = %backend.url, attempts, reason = reason.name(), error = %e, "attempt failed before the backend could have processed the request; it may be sent again");
+                    resend = Some(reason);
+                    // A stale pooled connection: the same backend, on a fresh one.
+                    fresh_only = reason == Resend::StalePooled;
+                    if !fresh_only {
+                        i += 1;
+                    }
+                    last = Some(e);
+                }
+                Err(Failure::Answer(e) | Failure::Unanswered(e)) => return Err(e),
+                Err(Failure::BrokeMidStream(_) | Failure::ClientGone) => return Ok(true),
+                Err(Failure::Full) => {
+                    full = true;
+                    i += 1;
+                }
+            }
+        }
+        match last {
+            // Lost every slot race: queue again while `queue_ms` lasts.
+            None if full && Instant::now() < deadline => continue,
+            None if full => return Err(at_limit(cfg)),
+            last => {
+                return Err(last.unwrap_or_else(|| {
+                    RouterError::new(Kind::BadGateway, "no backend could be reached")
+                }));
+            }
+        }
+    }
+}
+
+/// One send to one backend: admission, learning what was sent, the
+/// transport, then what the answer teaches (cached tokens, prefill time)
+/// and says of the backend's health. `Ok(true)`: the client connection must
+/// close afterwards.
+async fn attempt(
+    worker: &Worker,
+    cfg: &Config,
+    c: &mut ClientConn,
+    req: Request<'_>,
+    at: &Attempt<'_>,
+) -> Result<bool, Failure> {
+    let router = &worker.router;
+    let backend = at.backend;
+    let prompt_blocks = c.blocks.hashes.len() as u32;
+    let uncached = prompt_blocks.saturating_sub(at.matched_blocks);
+    // Prefill work ahead of this request, for learning the engine's rate.
+    let queued_ahead = backend.load.queued_prefill_blocks();
+    // Routing saw room, but workers route concurrently: admission holds the
+    // limit exactly, and a request that lost the race tries the next candidate.
+    let Some(mut inflight) = backend.admit(
+        cfg.limits.max_in_flight_per_backend,
+        uncached,
+        prompt_blocks,
+    ) else {
+        return Err(Failure::Full);
+    };
+    let sent_at = Instant::now();
+    router.learn(backend, &mut c.blocks, at.matched_blocks);
+    let sent = forward::forward(&worker.pool, cfg, c, req, at, &mut inflight).await;
+    drop(inflight);
+    let answer = match sent {
+        Ok(a) => a,
+        Err(f) => {
+            if let Some(why) = f.backend_fault() {
+                router.request_failed(backend, why);
+            }
+            if matches!(f, Failure::Unanswered(_)) {
+                router.metrics.unanswered();
+            }
+            return Err(f);
+        }
+    };
+    if (200..300).contains(&answer.status) {
+        if let Some(u) = answer.usage {
+            router.observe_answer(backend, &c.blocks, at.matched_blocks, u);
+        }
+        // Only a request that found no prefill queued ahead says how fast
+        // the engine prefills; behind a queue it measures the queue.
+        if answer.streaming
+            && queued_ahead == 0
+            && let Some(t) = answer.first_body_at
+        {
+            backend
+                .feedback
+                .observe_ttft(uncached, (t - sent_at).as_secs_f64());
+        }
+    }
+    if answer.status >= 500 {
+        router.request_failed(backend, "5xx answer");
+    } else {
+        backend.health.request_succeeded();
+    }
+    backend.stats.responded(answer.status);
+    Ok(answer.close_client)
+}
+
+/// The 503 for a request that waited `timeouts.queue_ms` without room.
+fn at_limit(cfg: &Config) -> RouterError {
+    RouterError::new(
+        Kind::Unavailable,
+        format!(
+            "every backend stayed at its in-flight limit ({}, limits.max_in_flight_per_backend) for {} ms (timeouts.queue_ms)",
+            cfg.limits.max_in_flight_per_backend, cfg.timeouts.queue_ms
+        ),
+    )
+}
+
+/// Ranks the backends for the request through the one routing entry point
+/// (`Router::route`, which `/admin/explain` calls too). Synchronous: the
+/// worker's scratch is never borrowed across an await, so a queued request
+/// routes again from its body.
+fn route_once(
+    worker: &Worker,
+    c: &mut ClientConn,
+    req: Request<'_>,
+) -> Result<Routed, RouterError> {
+    let endpoint = api::endpoint(req.head, &c.fwd);
+    let ClientConn {
+        buf, body, blocks, ..
+    } = c;
+    let query = RouteQuery {
+        endpoint,
+        body: match req.body {
+            Body::InBuf { start, end } => &buf[start..end],
+            Body::Decoded => body,
+        },
+        session: req.head.session,
+    };
+    let mut scratch = worker.scratch.borrow_mut();
+    worker.router.route(&query, &mut scratch, blocks)
+}
+
+/// Whether a request that found no candidate should wait: some backend is up
+/// and only its in-flight limit keeps it out.
+fn queueable(cfg: &Config, routed: &Routed) -> bool {
+    cfg.limits.max_in_flight_per_backend > 0
+        && cfg.timeouts.queue_ms > 0
+        && routed.fleet.backends.iter().any(|b| b.health.is_up())
+}
+
+/// Whether an up backend has room under its in-flight limit now.
+fn has_room(cfg: &Config, routed: &Routed) -> bool {
+    let max = cfg.limits.max_in_flight_per_backend;
+    routed.fleet.backends.iter().any(|b| b.has_room(max))
+}
