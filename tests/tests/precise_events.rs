@@ -22,6 +22,8 @@ const WAIT: Duration = Duration::from_secs(10);
 /// A router in precise mode in front of sim-engines that publish events.
 struct Setup {
     engines: Vec<SimEngine>,
+    /// Each engine's event and replay ports.
+    engines_ports: Vec<(u16, u16)>,
     router: Router,
 }
 
@@ -31,6 +33,7 @@ impl Setup {
     /// `precise` appended.
     fn new(engine_args: &[&[&str]], precise: &str) -> Setup {
         let mut engines = Vec::new();
+        let mut engines_ports = Vec::new();
         let mut backends = Vec::new();
         for (i, extra) in engine_args.iter().enumerate() {
             let (p, r) = (free_port(), free_port());
@@ -53,13 +56,18 @@ impl Setup {
                 e.url()
             ));
             engines.push(e);
+            engines_ports.push((p, r));
         }
         let cfg = format!(
             "backends = [{}]\n[precise]\nenabled = true\n{precise}\n",
             backends.join(", ")
         );
         let router = Router::spawn(&[], &[], &cfg);
-        let s = Setup { engines, router };
+        let s = Setup {
+            engines,
+            engines_ports,
+            router,
+        };
         for e in &s.engines {
             assert!(
                 s.wait_precise(&e.url(), |p| p["state"] == "EXACT"),
@@ -393,6 +401,76 @@ fn the_burst_guard_holds_a_just_routed_prompt_before_its_events_arrive() {
     );
 }
 
+#[test]
+fn traffic_that_bypassed_the_router_routes_warm_where_the_engine_holds_it() {
+    let s = Setup::new(&[&[], &[]], "burst_ms = 0");
+    let a = chat("sundials");
+    // Where the router would place a cold `a`, and the other engine.
+    let cold = s.explain(&a)["chosen"].as_str().unwrap().to_owned();
+    let other = s.engines.iter().find(|e| e.url() != cold).unwrap();
+    // A client talks to that engine directly, behind the router's back.
+    let r = post_json(other.addr, "/v1/chat/completions", &a).unwrap();
+    assert_eq!(r.status, 200);
+    assert!(
+        s.wait_precise(&other.url(), |p| p["held_blocks"].as_u64() > Some(0)),
+        "{}",
+        s.precise(&other.url())
+    );
+    assert_warm_precise(&s, &a, &other.url());
+    assert_eq!(
+        s.router.backend(&other.url())["index_blocks"],
+        0,
+        "the approximate index never saw it"
+    );
+}
+
+#[test]
+fn router_replicas_see_what_the_others_sent() {
+    let s = Setup::new(&[&[], &[], &[]], "burst_ms = 0");
+    let backends: Vec<String> = s
+        .engines
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let (p, r) = s.engines_ports[i];
+            format!(
+                "{{ url = \"{}\", kv_events = \"tcp://127.0.0.1:{p}\", kv_events_replay = \"tcp://127.0.0.1:{r}\" }}",
+                e.url()
+            )
+        })
+        .collect();
+    let cfg = format!(
+        "backends = [{}]\n[precise]\nenabled = true\nburst_ms = 0\n",
+        backends.join(", ")
+    );
+    let second = Router::spawn(&[], &[], &cfg);
+    // Conversations start on the first replica; their next turns arrive at
+    // the second, which never sent them anything.
+    for i in 0..4 {
+        let a = chat(&format!("replica topic {i}"));
+        s.send(&a);
+        let deadline = Instant::now() + WAIT;
+        let ex = loop {
+            let ex = explain(second.admin, &a);
+            if ex["matched_blocks"] == ex["blocks"] || Instant::now() > deadline {
+                break ex;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(ex["decision"], "warm", "{ex}");
+        let chosen = ex["chosen"].as_str().unwrap();
+        assert!(
+            second.backend(chosen)["precise"]["held_blocks"].as_u64() > Some(0),
+            "{ex}"
+        );
+        assert_eq!(
+            second.backend(chosen)["index_blocks"],
+            0,
+            "known from events only"
+        );
+    }
+}
+
 /// The Python engine stand-in: pyzmq and msgpack, written from vLLM's
 /// format. Commands on stdin, one JSON object a line; `published SEQ` on
 /// stdout after each.
@@ -521,6 +599,7 @@ fn the_router_decodes_what_a_python_engine_publishes_in_both_encodings() {
     let router = Router::spawn(&[], &[], &cfg);
     let s = Setup {
         engines: vec![engine],
+        engines_ports: vec![(p, r)],
         router,
     };
     assert!(
