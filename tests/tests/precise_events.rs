@@ -267,7 +267,7 @@ fn an_engine_restart_drops_its_entries() {
     std::thread::sleep(Duration::from_millis(200));
     s.send(&c);
     assert!(
-        s.wait_precise(&url, |p| p["restarts"] == 1),
+        s.wait_precise(&url, |p| p["restarts"] == 1 && p["last_seq"] == 0),
         "{}",
         s.precise(&url)
     );
@@ -504,9 +504,11 @@ def h(kind, i):
 seq = 0
 for line in sys.stdin:
     cmd = json.loads(line)
-    enc, kind = cmd["encoding"], cmd["hashes"]
+    enc, kind = cmd.get("encoding"), cmd.get("hashes")
     events = []
-    if cmd["op"] == "stored":
+    if cmd["op"] == "garbage":
+        events = None
+    elif cmd["op"] == "stored":
         toks, first = cmd["tokens"], cmd["first"]
         n = len(toks) // 16
         hashes = [h(kind, first + i) for i in range(n)]
@@ -525,11 +527,12 @@ for line in sys.stdin:
             events.append(["BlockRemoved", hashes, "GPU", 0])
         else:
             events.append({"type": "BlockRemoved", "block_hashes": hashes})
-    if enc == "array":
-        batch = [time.time(), events, None]
+    if events is None:
+        payload = b"\xc1 not a batch"
+    elif enc == "array":
+        payload = msgpack.packb([time.time(), events, None], use_bin_type=True)
     else:
-        batch = {"ts": time.time(), "events": events}
-    payload = msgpack.packb(batch, use_bin_type=True)
+        payload = msgpack.packb({"ts": time.time(), "events": events}, use_bin_type=True)
     with lock:
         buf.append((seq, payload))
     pub.send_multipart([b"kv-events", struct.pack(">q", seq), payload])
@@ -594,7 +597,7 @@ fn the_router_decodes_what_a_python_engine_publishes_in_both_encodings() {
     let engine = SimEngine::spawn(&["--time-scale", "0"]);
     let url = engine.url();
     let cfg = format!(
-        "backends = [{{ url = \"{url}\", kv_events = \"tcp://127.0.0.1:{p}\", kv_events_replay = \"tcp://127.0.0.1:{r}\" }}]\n[precise]\nenabled = true\nburst_ms = 0\n"
+        "backends = [{{ url = \"{url}\", kv_events = \"tcp://127.0.0.1:{p}\", kv_events_replay = \"tcp://127.0.0.1:{r}\" }}]\n[precise]\nenabled = true\nburst_ms = 0\nrecover_ms = 1000\n"
     );
     let router = Router::spawn(&[], &[], &cfg);
     let s = Setup {
@@ -673,6 +676,31 @@ fn the_router_decodes_what_a_python_engine_publishes_in_both_encodings() {
         ex["matched_blocks"].as_u64() < ex["blocks"].as_u64(),
         "a's match stops where its block was removed: {ex}"
     );
+    // A payload that is not a batch: counted, the backend forgotten and
+    // DEGRADED, then EXACT again after recover_ms; the router stays up.
+    publish(json!({"op": "garbage"}), 4);
+    assert!(
+        s.wait_precise(&url, |p| p["decode_errors"] == 1),
+        "{}",
+        s.precise(&url)
+    );
+    let p = s.precise(&url);
+    assert_eq!(p["held_blocks"], 0, "{p}");
+    assert!(
+        p["state"] == "DEGRADED" && p["reason"] == "decode-error",
+        "{p}"
+    );
+    assert!(
+        s.wait_precise(&url, |p| p["state"] == "EXACT"),
+        "{}",
+        s.precise(&url)
+    );
+    publish(
+        json!({"op": "stored", "encoding": "map", "hashes": "u64", "tokens": tokens(&a), "first": 200}),
+        5,
+    );
+    assert!(s.wait_precise(&url, |p| p["last_seq"] == 5));
+    assert_warm_precise(&s, &a, &url);
     drop(stdin);
     let _ = std::fs::remove_file(&script);
 }

@@ -94,8 +94,8 @@ impl Precise {
 
     /// A batch of `slot` was lost for good: forget, DEGRADED for a while.
     pub fn lost(&self, slot: usize, reason: Reason) {
-        self.forget(slot);
         self.confidence[slot].lost(reason, self.now_ms() + self.settings.recover_ms);
+        self.forget(slot);
     }
 
     /// Applies one decoded batch of `slot` with sequence number `seq`.
