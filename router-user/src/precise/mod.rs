@@ -29,8 +29,10 @@ use confidence::{Confidence, Reason, State};
 use events::{Batch, Event};
 use index::{PreciseIndex, StoreMiss};
 
+use std::sync::Arc;
+
 use crate::route::MAX_BACKENDS;
-use crate::route::index::Matches;
+use crate::route::index::{Matches, PrefixIndex};
 
 /// Tuning of precise mode (`config::precise`, `[precise]`, documented there).
 #[derive(Clone, Copy, Debug)]
@@ -46,15 +48,19 @@ pub struct Settings {
 /// The precise index and every backend's confidence.
 pub struct Precise {
     pub index: PreciseIndex,
+    /// The approximate index: an engine that flushed or restarted holds
+    /// nothing the router sent it either.
+    approx: Arc<PrefixIndex>,
     pub confidence: Box<[Confidence]>,
     pub settings: Settings,
     started: Instant,
 }
 
 impl Precise {
-    pub fn new(total_capacity: usize, settings: Settings) -> Precise {
+    pub fn new(total_capacity: usize, settings: Settings, approx: Arc<PrefixIndex>) -> Precise {
         Precise {
             index: PreciseIndex::new(total_capacity),
+            approx,
             confidence: (0..MAX_BACKENDS).map(|_| Confidence::new()).collect(),
             settings,
             started: Instant::now(),
@@ -90,6 +96,13 @@ impl Precise {
     pub fn forget(&self, slot: usize) {
         self.index.clear_backend(slot);
         self.confidence[slot].clears.fetch_add(1, Relaxed);
+    }
+
+    /// `slot`'s engine dropped its whole cache (`AllBlocksCleared`, a
+    /// restart): both indexes forget it.
+    pub fn flushed(&self, slot: usize) {
+        self.approx.clear_backend(slot);
+        self.forget(slot);
     }
 
     /// A batch of `slot` was lost for good: forget, DEGRADED for a while.
@@ -135,7 +148,7 @@ impl Precise {
                 Event::Removed { hashes } => {
                     self.index.removed(slot, hashes);
                 }
-                Event::Cleared => self.forget(slot),
+                Event::Cleared => self.flushed(slot),
             }
         }
         let now = std::time::SystemTime::now()

@@ -214,7 +214,7 @@ impl Stream {
                 slot = self.slot,
                 seq, "KV events: sequence went back: engine restarted"
             );
-            self.precise.forget(self.slot);
+            self.precise.flushed(self.slot);
             conf.restarts.fetch_add(1, Relaxed);
             self.groups = Groups::default();
             self.next = 0;
