@@ -275,7 +275,8 @@ fn an_engine_restart_drops_its_entries() {
     assert_eq!(ex["matched_blocks"], 0, "a is gone with the restart: {ex}");
     assert_eq!(matched_on(&ex, &url), "precise");
     assert_eq!(
-        s.router.backend(&url)["index_blocks"], 0,
+        s.router.backend(&url)["index_blocks"],
+        0,
         "the approximate index forgot it too (it would route it while DEGRADED)"
     );
     assert_warm_precise(&s, &c, &url);
