@@ -368,9 +368,9 @@ fn a_dead_stream_degrades_to_the_approximate_index_then_turns_exact_again() {
 
 #[test]
 fn the_burst_guard_holds_a_just_routed_prompt_before_its_events_arrive() {
-    // A slow prefill (80 tokens at 100 tokens/s): the engine stores the
-    // prompt's blocks, and publishes them, about 0.8 s after it arrives.
-    let slow: &[&str] = &["--time-scale", "1", "--prefill-tps", "100"];
+    // A slow prefill (about 90 tokens at 40 tokens/s): the engine stores
+    // the prompt's blocks, and publishes them, about 2 s after it arrives.
+    let slow: &[&str] = &["--time-scale", "1", "--prefill-tps", "40"];
     let s = Setup::new(&[slow, slow], "burst_ms = 5000");
     let a = chat("tides");
     let router = s.router.addr;
