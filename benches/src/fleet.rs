@@ -212,13 +212,24 @@ impl Router {
         policy: &str,
         args: &[String],
     ) -> anyhow::Result<Router> {
-        Router::start_bin(&bins.path("prefix-router"), engines, policy, args)
+        let urls: Vec<String> = engines.iter().map(Engine::url).collect();
+        Self::start_bin(&bins.path("prefix-router"), &urls, policy, args)
     }
 
-    /// [`Router::start`] with another build of the router (a baseline).
+    /// [`Router::start`] in front of engines given by URL (`http://host:port`).
+    pub fn start_urls(
+        bins: &Bins,
+        urls: &[String],
+        policy: &str,
+        args: &[String],
+    ) -> anyhow::Result<Router> {
+        Self::start_bin(&bins.path("prefix-router"), urls, policy, args)
+    }
+
+    /// [`Router::start_urls`] with another build of the router (a baseline).
     pub fn start_bin(
         bin: &Path,
-        engines: &[Engine],
+        urls: &[String],
         policy: &str,
         args: &[String],
     ) -> anyhow::Result<Router> {
@@ -232,8 +243,8 @@ impl Router {
             .args(["--policy", policy])
             .args(["--log-level", "warn"])
             .args(args);
-        for e in engines {
-            cmd.args(["--backend", &e.url()]);
+        for u in urls {
+            cmd.args(["--backend", u]);
         }
         let mut child = Child::spawn(cmd, "prefix-router")?;
         child.wait_port(addr)?;

@@ -14,6 +14,8 @@
 //! - [`nginx`]: the baseline proxy's config;
 //! - [`body`]: request bodies of a given size;
 //! - [`overhead`], [`quality`], [`demo`]: the three measurements;
+//! - [`llama`]: routing quality on real llama.cpp servers (real prefill on
+//!   this CPU), several seeds, with its own report;
 //! - [`scenarios`]: the quality bench's rows (named production-shaped
 //!   scenarios, and the lock-step shapes of the first benches);
 //! - [`peers`]: sglang-router, vllm-router and smg in their own virtualenv,
@@ -32,6 +34,7 @@ pub mod charts;
 pub mod cpu;
 pub mod demo;
 pub mod fleet;
+pub mod llama;
 pub mod loadgen;
 pub mod micro;
 pub mod nginx;

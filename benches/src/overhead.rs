@@ -176,7 +176,7 @@ impl Stand {
         let baseline = match std::env::var_os(BASELINE_ENV) {
             Some(bin) => Some(Router::start_bin(
                 Path::new(&bin),
-                &engines,
+                &engines.iter().map(Engine::url).collect::<Vec<_>>(),
                 "prefix",
                 &["--workers".into(), cfg.workers.to_string()],
             )?),

@@ -15,6 +15,7 @@ use crate::http::url::HttpUrl;
 use crate::route::MAX_BACKENDS;
 use crate::route::hash::DEFAULT_BLOCK_BYTES;
 use crate::route::select::{Policy, PrefixParams};
+use crate::route::slots::EngineKind;
 
 /// The whole configuration. Every field has a default but `backends`.
 #[derive(Clone, Debug, Deserialize)]
@@ -84,6 +85,12 @@ pub enum BackendConfig {
         /// Precise mode: its replay socket [default: none when `kv_events`
         /// is given, else the backend's host and `precise.replay_port`].
         kv_events_replay: Option<String>,
+        /// How its cache is modelled; overrides `prefix.engine`.
+        #[serde(default)]
+        engine: Option<EngineKind>,
+        /// Slot engines: its slot count; overrides what `/props` says.
+        #[serde(default)]
+        slots: Option<usize>,
     },
 }
 
@@ -110,6 +117,14 @@ impl BackendConfig {
                 kv_events_replay,
                 ..
             } => (kv_events.as_deref(), kv_events_replay.as_deref()),
+        }
+    }
+
+    /// Its own engine kind and slot count, if the table sets them.
+    pub fn engine(&self) -> (Option<EngineKind>, Option<usize>) {
+        match self {
+            BackendConfig::Url(_) => (None, None),
+            BackendConfig::Table { engine, slots, .. } => (*engine, *slots),
         }
     }
 }
@@ -171,6 +186,22 @@ pub struct PrefixConfig {
     /// engine's blocks, learn capacities nobody published. Off, the
     /// prediction error is still measured and exported.
     pub learn_from_answers: bool,
+    /// How backends' caches are modelled: `auto` (a backend whose `/props`
+    /// answers `total_slots`, llama.cpp's, is a slot engine, any other a
+    /// block cache), `blocks` (vLLM-like: the prefix index) or `slots`
+    /// (llama.cpp-like: one prompt per slot, `route::slots`).
+    pub engine: EngineKind,
+    /// Slot engines: cost of each block of a live conversation's prompt
+    /// that a request would overwrite by taking its slot, in blocks of
+    /// prefill. 1: that conversation recomputes it on its next turn.
+    pub slot_evict_cost: f64,
+    /// Slot engines: cost, in blocks of prefill, of taking a live
+    /// conversation's slot at all, on top of its blocks: it will want its
+    /// slot back next turn, and on an engine with more live conversations
+    /// than slots they keep evicting each other. 64 (as
+    /// `overload_cost_blocks`): a new conversation goes to an engine with a
+    /// free slot even if another holds its system prompt.
+    pub slot_live_evict_blocks: f64,
 }
 
 impl Default for PrefixConfig {
@@ -190,6 +221,9 @@ impl Default for PrefixConfig {
             kv_blocks: 65_536,
             read_kv_capacity: true,
             learn_from_answers: true,
+            engine: EngineKind::Auto,
+            slot_evict_cost: 1.0,
+            slot_live_evict_blocks: 64.0,
         }
     }
 }

@@ -161,21 +161,24 @@ impl Router {
             backends.push(Arc::new(backend));
             index.set_capacity(slot, kv);
         }
+        let index = Arc::new(index);
+        let precise = config.precise.enabled.then(|| {
+            Arc::new(Precise::new(
+                total,
+                config.precise.settings(),
+                index.clone(),
+            ))
+        });
         let config = Arc::new(ArcSwap::from_pointee(config));
         let fleet = Arc::new(ArcSwap::from_pointee(Fleet { backends }));
-        let index = Arc::new(index);
         let metrics = Metrics::new(Sources {
             config: config.clone(),
             fleet: fleet.clone(),
             index: index.clone(),
         });
-        let precise = {
-            let c = config.load();
-            c.precise
-                .enabled
-                .then(|| Arc::new(Precise::new(total, c.precise.settings(), index.clone())))
-        };
         let router = Arc::new(Router {
+            precise,
+            subscribers: std::sync::Mutex::new(Vec::new()),
             config,
             fleet,
             index,
@@ -184,8 +187,6 @@ impl Router {
             client_conns: AtomicUsize::new(0),
             retry_budget: RetryBudget::new(budget_percent),
             shutting_down: AtomicBool::new(false),
-            precise,
-            subscribers: std::sync::Mutex::new(Vec::new()),
         });
         router.sync_subscribers();
         Ok(router)
@@ -218,7 +219,7 @@ impl Router {
                 info!(slot, live = %ep.live, replay = ?ep.replay, "KV events: subscribing");
                 match Subscriber::spawn(p.clone(), slot, ep) {
                     Ok(s) => *sub = Some(s),
-                    Err(e) => warn!(slot, error = %e, "KV events: no subscriber thread"),
+                    Err(e) => tracing::warn!(slot, error = %e, "KV events: no subscriber thread"),
                 }
             }
         }
@@ -259,9 +260,8 @@ impl Router {
         }
         scratch.precise_mask = 0;
         blocks.keys.clear();
-        if let (Some(p), Some(ep), Policy::Prefix) = (&self.precise, query.endpoint, cfg.policy) {
+        if let (Some(_), Some(ep), Policy::Prefix) = (&self.precise, query.endpoint, cfg.policy) {
             self.precise_matches(
-                p,
                 ep,
                 &fleet,
                 scratch,
@@ -272,6 +272,8 @@ impl Router {
         }
         scratch.loads.clear();
         scratch.matches.clear();
+        let ticket = self.ticket.fetch_add(1, Relaxed);
+        let fleet_slots = fleet_slots(&fleet);
         for b in &fleet.backends {
             let mut load = b.view(cfg.limits.max_in_flight_per_backend);
             load.cached_blocks = u32::try_from(self.index.tracked(b.slot)).unwrap_or(u32::MAX);
@@ -283,8 +285,23 @@ impl Router {
                 // What its engine says it holds, traffic from elsewhere included.
                 load.cached_blocks = u32::try_from(p.index.held_blocks(b.slot)).unwrap_or(u32::MAX);
             }
+            let mut m = matches[b.slot];
+            if b.slots.is_slot_engine() && cfg.policy == Policy::Prefix {
+                // A slot engine: what the slot it would take holds.
+                let p = b.slots.predict(hashes, ticket, load.in_flight, fleet_slots);
+                m = p.cached_blocks;
+                let live = if p.evicts_live {
+                    cfg.prefix.slot_live_evict_blocks
+                } else {
+                    0.0
+                };
+                // Every slot running: it waits for a whole request first.
+                let wait = f64::from(p.waits) * cfg.prefix.overload_cost_blocks;
+                load.evict_cost_blocks =
+                    (f64::from(p.evicted_blocks) * cfg.prefix.slot_evict_cost + live + wait) as f32;
+            }
             scratch.loads.push(load);
-            scratch.matches.push(matches[b.slot]);
+            scratch.matches.push(m);
         }
         same_hardware_same_rate(&mut scratch.loads);
         scratch.cold_key = cold_key(seed, &scratch.canonical, hashes, cfg.prefix.cold_key_blocks);
@@ -293,7 +310,7 @@ impl Router {
             blocks: hashes.len() as u32,
             cold_key: scratch.cold_key,
             session_key: session,
-            ticket: self.ticket.fetch_add(1, Relaxed),
+            ticket,
         };
         let policy = if has_prompt {
             cfg.policy
@@ -310,10 +327,8 @@ impl Router {
     /// index's units (a share of the prompt's `approx_blocks`), so selection
     /// weighs both alike. (The longer of the two was tried: no clear gain,
     /// see "Precise mode" in ARCHITECTURE.md.)
-    #[allow(clippy::too_many_arguments)]
     fn precise_matches(
         &self,
-        p: &Precise,
         ep: Endpoint,
         fleet: &Fleet,
         scratch: &mut RouteScratch,
@@ -321,6 +336,9 @@ impl Router {
         approx_blocks: usize,
         matches: &mut Matches,
     ) {
+        let Some(p) = &self.precise else {
+            return;
+        };
         crate::precise::keys::engine_tokens(
             ep,
             &scratch.canonical,
@@ -398,6 +416,7 @@ impl Router {
         let fall = self.config.load().health.passive_fall;
         if let (n, Some(_)) = backend.health.request_failed(fall) {
             self.index.clear_backend(backend.slot);
+            backend.slots.clear();
             warn!(backend = %backend.url, failures = n, last = why, "backend ejected after failed requests");
         }
     }
@@ -411,16 +430,38 @@ impl Router {
         {
             p.guard(backend.slot, &blocks.keys, p.now_ms());
         }
-        if !blocks.hashes.is_empty() && self.config.load().policy == Policy::Prefix {
-            self.index.insert_aging(
-                backend.slot,
-                &blocks.hashes,
-                &blocks.found,
-                matched,
-                &mut blocks.ages,
-            );
+        if blocks.hashes.is_empty() || self.config.load().policy != Policy::Prefix {
+            return;
         }
+        if backend.slots.is_slot_engine() {
+            // It takes the slot the model predicts (the request is counted
+            // in flight by now, so it is not its own busy slot).
+            let now = self.ticket.load(Relaxed);
+            let fleet = self.fleet.load();
+            let in_flight = backend.load.in_flight().saturating_sub(1);
+            let p = backend
+                .slots
+                .predict(&blocks.hashes, now, in_flight, fleet_slots(&fleet));
+            backend.slots.dispatched(p.slot, &blocks.hashes, now);
+            for other in fleet.backends.iter().filter(|b| b.slot != backend.slot) {
+                other.slots.moved_away(&blocks.hashes);
+            }
+            return;
+        }
+        self.index.insert_aging(
+            backend.slot,
+            &blocks.hashes,
+            &blocks.found,
+            matched,
+            &mut blocks.ages,
+        );
     }
+}
+
+/// Slots over the fleet's slot engines (liveness in `route::slots` is
+/// measured against it).
+fn fleet_slots(fleet: &Fleet) -> usize {
+    fleet.backends.iter().map(|b| b.slots.count()).sum()
 }
 
 /// Learned prefill rates within this factor of the fleet's median count as
@@ -467,7 +508,8 @@ impl Router {
         if blocks.hashes.is_empty() || cfg.policy != Policy::Prefix {
             return;
         }
-        if blocks.ages.len() != blocks.hashes.len() {
+        // Slot engines are modelled by their slots, not the block index.
+        if backend.slots.is_slot_engine() || blocks.ages.len() != blocks.hashes.len() {
             return;
         }
         let slot = backend.slot;

@@ -17,22 +17,24 @@ const MAY_USE: &[(&str, &[&str])] = &[
     ("metrics", &["error", "config", "route"]),
     (
         "router",
-        &["error", "config", "route", "metrics", "precise"],
+        &["error", "config", "route", "precise", "metrics"],
     ),
     (
         "proxy",
-        &["error", "http", "config", "route", "metrics", "router"],
+        &[
+            "error", "http", "config", "route", "precise", "metrics", "router",
+        ],
     ),
     (
         "control",
         &[
-            "error", "http", "config", "route", "metrics", "router", "proxy", "precise",
+            "error", "http", "config", "route", "precise", "metrics", "router", "proxy",
         ],
     ),
     (
         "app",
         &[
-            "error", "http", "config", "route", "metrics", "router", "proxy", "control", "precise",
+            "error", "http", "config", "route", "precise", "metrics", "router", "proxy", "control",
         ],
     ),
 ];

@@ -17,6 +17,10 @@
 //! - [`router_proc::Router::spawn`]`(&backend_urls, &extra_flags, config_toml) -> Router { addr, admin, child }`:
 //!   a running `prefix-router` on free ports, killed on drop; `.backends()`
 //!   and `.metrics()` read its admin listener.
+//! - [`llama_proc::require`]`(test) -> Option<LlamaPaths>` (the llama.cpp
+//!   build from `cargo xtask setup`; skips, or fails under `CI=true`) and
+//!   [`llama_proc::LlamaServer::spawn`]`(&paths, slots, &extra)`: a real
+//!   `llama-server` on a free port, killed on drop.
 //!
 //! # For benchmarks and router tests
 //! - [`workload::RunConfig`] (target URL, [`workload::Scenario`], users or
@@ -35,6 +39,7 @@ pub mod engine;
 pub mod engine_proc;
 pub mod fake_backend;
 pub mod http;
+pub mod llama_proc;
 pub mod proc;
 pub mod router_proc;
 pub mod workload;

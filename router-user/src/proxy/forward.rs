@@ -5,6 +5,7 @@
 //! and health are the request path's (`request`), not this file's.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
 use monoio::net::TcpStream;
@@ -249,7 +250,9 @@ pub async fn forward(
             }
         }
     }
-    if rhead.reusable && !leftover {
+    let streamed = rhead.framing == ResponseFraming::Chunked;
+    if rhead.reusable && !leftover && !(streamed && backend.closes_after_stream.load(Relaxed)) {
+        bc.after_stream = streamed;
         pool.put(bc, cfg.limits.max_idle_per_backend);
     }
     Ok(Answered {

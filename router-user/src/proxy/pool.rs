@@ -6,9 +6,11 @@
 use std::cell::RefCell;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use monoio::net::TcpStream;
+use tracing::info;
 
 use crate::route::MAX_BACKENDS;
 use crate::route::backend::{Backend, ConnCount};
@@ -20,6 +22,8 @@ pub struct BackendConn {
     count: ConnCount,
     /// The connection came from the pool (it may have been closed by the peer).
     pub reused: bool,
+    /// Its last answer was streamed (chunked).
+    pub after_stream: bool,
 }
 
 impl BackendConn {
@@ -28,6 +32,7 @@ impl BackendConn {
             stream,
             count: backend.conn_opened(),
             reused: false,
+            after_stream: false,
         }
     }
 
@@ -54,6 +59,11 @@ fn still_open(stream: &TcpStream) -> bool {
         Err(nix::errno::Errno::EAGAIN)
     )
 }
+
+/// A connection pooled after a streamed answer and found closed sooner
+/// than this was closed because of the stream, not by a keep-alive timeout
+/// (uvicorn's and cpp-httplib's are 5 s).
+const CLOSED_AFTER_STREAM: Duration = Duration::from_secs(1);
 
 struct Idle {
     conn: BackendConn,
@@ -95,10 +105,17 @@ impl Pool {
             return None;
         }
         while let Some(i) = stack.idle.pop() {
-            if i.since.elapsed() <= max_idle && still_open(&i.conn.stream) {
+            let idle = i.since.elapsed();
+            if idle <= max_idle && still_open(&i.conn.stream) {
                 let mut conn = i.conn;
                 conn.reused = true;
                 return Some(conn);
+            }
+            if i.conn.after_stream
+                && idle < CLOSED_AFTER_STREAM
+                && !backend.closes_after_stream.swap(true, Relaxed)
+            {
+                info!(backend = %backend.url, "backend closes connections after streamed answers; not pooling those");
             }
         }
         None

@@ -10,6 +10,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 use crate::route::feedback::Feedback;
 use crate::route::select::BackendLoad;
+use crate::route::slots::SlotCache;
 
 /// One inference server.
 #[derive(Debug)]
@@ -30,6 +31,13 @@ pub struct Backend {
     pub stats: Stats,
     /// What its answers taught: prediction error, prefill rate.
     pub feedback: Feedback,
+    /// What its slots hold, when it is a slot engine (llama.cpp).
+    pub slots: SlotCache,
+    /// It closes the connection after every streamed (chunked) answer
+    /// without saying so (llama.cpp's `llama-server` does): such
+    /// connections are not pooled. Set by engine detection, or learned when
+    /// a connection pooled after a stream is found closed at once.
+    pub closes_after_stream: AtomicBool,
 }
 
 /// The next `Backend::generation`.
@@ -321,6 +329,8 @@ impl Backend {
             health: Health::default(),
             stats: Stats::default(),
             feedback: Feedback::new(kv_blocks),
+            slots: SlotCache::default(),
+            closes_after_stream: AtomicBool::new(false),
         }
     }
 
@@ -374,8 +384,9 @@ impl Backend {
             in_flight_blocks: l.in_flight_blocks(),
             capacity_blocks: u32::try_from(self.feedback.capacity()).unwrap_or(u32::MAX),
             prefill_rate: self.feedback.prefill_rate() as f32,
-            // Set by the router, which owns the index.
+            // Set by the router, which owns the index and the slot model.
             cached_blocks: 0,
+            evict_cost_blocks: 0.0,
         }
     }
 }

@@ -81,6 +81,10 @@ pub struct BackendLoad {
     pub capacity_blocks: u32,
     /// Prefill rate in blocks per second, learned from observed TTFTs (0: unknown).
     pub prefill_rate: f32,
+    /// Slot engines: the cost in blocks of the slot this request would take
+    /// there (a live conversation's blocks it overwrites, the wait when
+    /// every slot is running; `route::slots`); 0 elsewhere.
+    pub evict_cost_blocks: f32,
 }
 
 impl BackendLoad {
@@ -266,6 +270,9 @@ pub struct Score {
     pub uncached_blocks: u32,
     /// Blocks of the longest match it lacks, times `move_cost`.
     pub move_blocks: f64,
+    /// Slot engines: a live conversation's blocks it would overwrite, times
+    /// `prefix.slot_evict_cost`.
+    pub evict_blocks: f64,
     /// Block-equivalents of its running requests and of its overload.
     pub in_flight_cost_blocks: f64,
     pub overload_blocks: f64,
@@ -326,6 +333,7 @@ impl PrefixView {
         let moved = p.move_cost * f64::from(self.longest.saturating_sub(m));
         let work = f64::from(l.queued_prefill_blocks)
             + f64::from(uncached)
+            + f64::from(l.evict_cost_blocks)
             + moved
             + in_flight_cost
             + overload;
@@ -336,6 +344,7 @@ impl PrefixView {
             queued_blocks: l.queued_prefill_blocks,
             uncached_blocks: uncached,
             move_blocks: moved,
+            evict_blocks: f64::from(l.evict_cost_blocks),
             in_flight_cost_blocks: in_flight_cost,
             overload_blocks: overload,
             prefill_blocks_per_s: rate,

@@ -79,7 +79,7 @@ pub struct Outcome {
     /// The generated text.
     pub text: String,
     pub usage: Option<Usage>,
-    /// The `x-engine-id` response header.
+    /// The `x-engine-id` response header (else `x-prefix-router-backend`).
     pub instance: Option<String>,
     pub error: Option<String>,
 }
@@ -269,6 +269,9 @@ impl Client {
                         let name = h.name.to_ascii_lowercase();
                         match name.as_str() {
                             "x-engine-id" => instance = Some(v),
+                            // Engines without an id header (llama-server):
+                            // the router's debug header names the backend.
+                            "x-prefix-router-backend" if instance.is_none() => instance = Some(v),
                             "content-length" => {
                                 framing = Framing::Length(
                                     v.parse().map_err(|_| fail("bad content-length".into()))?,
