@@ -30,6 +30,7 @@ fn decode(c: &mut Criterion) {
             tokens: (0..16)
                 .map(|t| (i as u32 * 16 + t) * 37 % 150_000)
                 .collect(),
+            extra: None,
         })
         .collect();
     events.extend((0..64u64).map(|i| CacheEvent::Removed(i + 1)));

@@ -88,9 +88,11 @@ pub struct RouteScratch {
     matches: Vec<u32>,
     /// The last routed request's cold key (for [`Router::scores`]).
     cold_key: u64,
-    /// Precise mode: the request's engine tokens and their rendered text.
+    /// Precise mode: the request's engine tokens and their rendered text,
+    /// and the extra keys of its first block (its cache salt).
     tokens: Vec<u32>,
     text: Vec<u8>,
+    first_extra: Vec<Vec<u8>>,
     /// Precise mode: the backends (bits by slot) the last request was
     /// matched on the precise index for (the others: the approximate one).
     pub precise_mask: u64,
@@ -345,11 +347,16 @@ impl Router {
             &mut scratch.text,
             &mut scratch.tokens,
         );
+        scratch.first_extra.clear();
+        let salt = scratch.extractor.salt();
+        if !salt.is_empty() {
+            scratch.first_extra.push(salt.to_vec());
+        }
         crate::precise::keys::request_keys(
             crate::precise::keys::chain_seed(None),
             &scratch.tokens,
             p.settings.block_tokens,
-            &[],
+            &scratch.first_extra,
             keys,
         );
         let now = p.now_ms();

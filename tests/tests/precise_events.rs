@@ -403,6 +403,41 @@ fn the_burst_guard_holds_a_just_routed_prompt_before_its_events_arrive() {
 }
 
 #[test]
+fn a_cache_salt_keys_blocks_apart() {
+    let s = Setup::new(&[&[]], "burst_ms = 0");
+    let url = s.engines[0].url();
+    let salted = |salt: Option<&str>| {
+        let mut body = chat("ciphers");
+        if let Some(salt) = salt {
+            body["cache_salt"] = json!(salt);
+        }
+        body
+    };
+    s.send(&salted(Some("tenant-a")));
+    assert!(s.wait_precise(&url, |p| p["held_blocks"].as_u64() > Some(0)));
+    // The engine folded the salt into the first block (and said so in its
+    // event's extra_keys); the router folds the request's salt the same way.
+    assert_warm_precise(&s, &salted(Some("tenant-a")), &url);
+    for other in [salted(Some("tenant-b")), salted(None)] {
+        let ex = s.explain(&other);
+        assert_eq!(ex["matched_blocks"], 0, "another salt shares nothing: {ex}");
+    }
+    // And the engine agrees: the same prompt with another salt is a miss.
+    let r = post_json(
+        s.engines[0].addr,
+        "/v1/chat/completions",
+        &salted(Some("tenant-b")),
+    )
+    .unwrap();
+    assert_eq!(
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        0,
+        "{}",
+        r.text()
+    );
+}
+
+#[test]
 fn traffic_that_bypassed_the_router_routes_warm_where_the_engine_holds_it() {
     let s = Setup::new(&[&[], &[]], "burst_ms = 0");
     let a = chat("sundials");

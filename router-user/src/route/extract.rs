@@ -63,9 +63,17 @@ pub struct Prompt {
 pub struct Extractor {
     scratch: Vec<u8>,
     buffers: Option<simd_json::Buffers>,
+    /// The last request's `cache_salt` (empty: none), for precise mode's
+    /// keys, which fold it into the first block as vLLM does.
+    salt: Vec<u8>,
 }
 
 impl Extractor {
+    /// The `cache_salt` of the last request extracted (empty: none).
+    pub fn salt(&self) -> &[u8] {
+        &self.salt
+    }
+
     /// Parses `body` for `endpoint` and writes the canonical prompt to `canon`
     /// (cleared first). Errors are 400s with a message naming the problem.
     pub fn extract(
@@ -90,6 +98,8 @@ impl Extractor {
         let model = parsed.model.as_deref().unwrap_or("");
         let adapter = parsed.lora_path.as_deref().unwrap_or("");
         let salt = parsed.cache_salt.as_deref().unwrap_or("");
+        self.salt.clear();
+        self.salt.extend_from_slice(salt.as_bytes());
         let seed = namespace_seed(&[model.as_bytes(), adapter.as_bytes(), salt.as_bytes()]);
         let user = parsed.user.as_deref().map(|u| xxh3_64(u.as_bytes()));
         match endpoint {
