@@ -344,6 +344,7 @@ impl Router {
         crate::precise::keys::engine_tokens(
             ep,
             &scratch.canonical,
+            scratch.extractor.token_ids(),
             &mut scratch.text,
             &mut scratch.tokens,
         );

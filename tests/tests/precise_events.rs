@@ -438,6 +438,31 @@ fn a_cache_salt_keys_blocks_apart() {
 }
 
 #[test]
+fn completions_text_and_token_ids_match_the_engines_blocks() {
+    let s = Setup::new(&[&[]], "burst_ms = 0");
+    let url = s.engines[0].url();
+    let text = json!({
+        "model": "sim-llama-8b", "max_tokens": 2,
+        "prompt": "Line one of a long completion prompt.\nLine two, a little longer than the first one.\nAnd a third line to fill a few more blocks of tokens here.\n",
+    });
+    let ids = json!({
+        "model": "sim-llama-8b", "max_tokens": 2,
+        // Ids with a 0x0A byte in them: not to be cut like text at newlines.
+        "prompt": (0..80u32).map(|i| i * 257 + 10).collect::<Vec<_>>(),
+    });
+    for (n, body) in [&text, &ids].into_iter().enumerate() {
+        let r = post_json(s.router.addr, "/v1/completions", body).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(s.wait_precise(&url, |p| p["last_seq"] == n as u64));
+        let r = post_json(s.router.admin, "/admin/explain?endpoint=completions", body).unwrap();
+        let ex = r.json();
+        assert_eq!(ex["decision"], "warm", "{ex}");
+        assert_eq!(matched_on(&ex, &url), "precise");
+        assert_eq!(ex["matched_blocks"], ex["blocks"], "every block: {ex}");
+    }
+}
+
+#[test]
 fn traffic_that_bypassed_the_router_routes_warm_where_the_engine_holds_it() {
     let s = Setup::new(&[&[], &[]], "burst_ms = 0");
     let a = chat("sundials");
