@@ -601,7 +601,11 @@ for line in sys.stdin:
     seq += 1
 "#;
 
-/// `target/kv-events-venv` with pyzmq and msgpack from PyPI, made once.
+/// The Python packages of the publisher test, pinned (pyzmq bundles
+/// libzmq 4.3.5).
+const PY_PACKAGES: [(&str, &str); 2] = [("pyzmq", "27.3.0"), ("msgpack", "1.2.4")];
+
+/// `target/kv-events-venv` with [`PY_PACKAGES`] from PyPI, made once.
 fn python_with_pyzmq() -> PathBuf {
     let target = testkit::bin_path("sim-engine")
         .parent()
@@ -610,9 +614,13 @@ fn python_with_pyzmq() -> PathBuf {
         .to_path_buf();
     let venv = target.join("kv-events-venv");
     let py = venv.join("bin/python");
+    let check = format!(
+        "import zmq, msgpack; assert zmq.__version__ == {:?}; assert '.'.join(map(str, msgpack.version)) == {:?}",
+        PY_PACKAGES[0].1, PY_PACKAGES[1].1
+    );
     let ready = || {
         Command::new(&py)
-            .args(["-c", "import zmq, msgpack"])
+            .args(["-c", &check])
             .stderr(Stdio::null())
             .status()
             .is_ok_and(|s| s.success())
@@ -624,7 +632,8 @@ fn python_with_pyzmq() -> PathBuf {
             .status()
             .is_ok_and(|s| s.success())
             && Command::new(venv.join("bin/pip"))
-                .args(["install", "--quiet", "--timeout", "60", "pyzmq", "msgpack"])
+                .args(["install", "--quiet", "--timeout", "60"])
+                .args(PY_PACKAGES.map(|(p, v)| format!("{p}=={v}")))
                 .status()
                 .is_ok_and(|s| s.success());
         assert!(
