@@ -30,6 +30,7 @@ fn decode(c: &mut Criterion) {
             tokens: (0..16)
                 .map(|t| (i as u32 * 16 + t) * 37 % 150_000)
                 .collect(),
+            extra: None,
         })
         .collect();
     events.extend((0..64u64).map(|i| CacheEvent::Removed(i + 1)));
@@ -62,7 +63,7 @@ fn route(c: &mut Criterion) {
         // The precise path: engine tokens, keys, and the precise index
         // holding them on backend 0 (from events).
         let (mut text, mut tokens, mut keys) = (Vec::new(), Vec::new(), Vec::new());
-        engine_tokens(Endpoint::Chat, &canon, &mut text, &mut tokens);
+        engine_tokens(Endpoint::Chat, &canon, false, &mut text, &mut tokens);
         let n = tokens.len() / 16;
         let precise = PreciseIndex::new(n * 2);
         let engine_hashes: Vec<u64> = (1..=n as u64).collect();
@@ -89,7 +90,13 @@ fn route(c: &mut Criterion) {
         });
         g.bench_function(BenchmarkId::new("precise_added", name), |b| {
             b.iter(|| {
-                engine_tokens(Endpoint::Chat, black_box(&canon), &mut text, &mut tokens);
+                engine_tokens(
+                    Endpoint::Chat,
+                    black_box(&canon),
+                    false,
+                    &mut text,
+                    &mut tokens,
+                );
                 keys.clear();
                 request_keys(chain_seed(None), &tokens, 16, &[], &mut keys);
                 let mut m: Matches = [0; MAX_BACKENDS];

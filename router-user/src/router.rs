@@ -93,9 +93,11 @@ pub struct RouteScratch {
     matches: Vec<u32>,
     /// The last routed request's cold key (for [`Router::scores`]).
     cold_key: u64,
-    /// Precise mode: the request's engine tokens and their rendered text.
+    /// Precise mode: the request's engine tokens and their rendered text,
+    /// and the extra keys of its first block (its cache salt).
     tokens: Vec<u32>,
     text: Vec<u8>,
+    first_extra: Vec<Vec<u8>>,
     /// Precise mode: the backends (bits by slot) the last request was
     /// matched on the precise index for (the others: the approximate one).
     pub precise_mask: u64,
@@ -166,13 +168,16 @@ impl Router {
             backends.push(Arc::new(backend));
             index.set_capacity(slot, kv);
         }
-        let precise = config
-            .precise
-            .enabled
-            .then(|| Arc::new(Precise::new(total, config.precise.settings())));
+        let index = Arc::new(index);
+        let precise = config.precise.enabled.then(|| {
+            Arc::new(Precise::new(
+                total,
+                config.precise.settings(),
+                index.clone(),
+            ))
+        });
         let config = Arc::new(ArcSwap::from_pointee(config));
         let fleet = Arc::new(ArcSwap::from_pointee(Fleet { backends }));
-        let index = Arc::new(index);
         let metrics = Metrics::new(Sources {
             config: config.clone(),
             fleet: fleet.clone(),
@@ -287,6 +292,14 @@ impl Router {
         for b in &fleet.backends {
             let mut load = b.view(cfg.limits.max_in_flight_per_backend);
             load.cached_blocks = u32::try_from(self.index.tracked(b.slot)).unwrap_or(u32::MAX);
+            if let Some(p) = self
+                .precise
+                .as_ref()
+                .filter(|_| scratch.precise_mask & (1 << b.slot) != 0)
+            {
+                // What its engine says it holds, traffic from elsewhere included.
+                load.cached_blocks = u32::try_from(p.index.held_blocks(b.slot)).unwrap_or(u32::MAX);
+            }
             let mut m = matches[b.slot];
             if b.slots.is_slot_engine() && cfg.policy == Policy::Prefix {
                 // A slot engine: what the slot it would take holds.
@@ -328,7 +341,8 @@ impl Router {
     /// Precise mode: replaces, for every EXACT backend, its approximate
     /// match by what its engine's events say it holds, in the approximate
     /// index's units (a share of the prompt's `approx_blocks`), so selection
-    /// weighs both alike.
+    /// weighs both alike. (The longer of the two was tried: no clear gain,
+    /// see "Precise mode" in ARCHITECTURE.md.)
     fn precise_matches(
         &self,
         ep: Endpoint,
@@ -344,14 +358,20 @@ impl Router {
         crate::precise::keys::engine_tokens(
             ep,
             &scratch.canonical,
+            scratch.extractor.token_ids(),
             &mut scratch.text,
             &mut scratch.tokens,
         );
+        scratch.first_extra.clear();
+        let salt = scratch.extractor.salt();
+        if !salt.is_empty() {
+            scratch.first_extra.push(salt.to_vec());
+        }
         crate::precise::keys::request_keys(
             crate::precise::keys::chain_seed(None),
             &scratch.tokens,
             p.settings.block_tokens,
-            &[],
+            &scratch.first_extra,
             keys,
         );
         let now = p.now_ms();

@@ -22,6 +22,8 @@ const WAIT: Duration = Duration::from_secs(10);
 /// A router in precise mode in front of sim-engines that publish events.
 struct Setup {
     engines: Vec<SimEngine>,
+    /// Each engine's event and replay ports.
+    engines_ports: Vec<(u16, u16)>,
     router: Router,
 }
 
@@ -31,6 +33,7 @@ impl Setup {
     /// `precise` appended.
     fn new(engine_args: &[&[&str]], precise: &str) -> Setup {
         let mut engines = Vec::new();
+        let mut engines_ports = Vec::new();
         let mut backends = Vec::new();
         for (i, extra) in engine_args.iter().enumerate() {
             let (p, r) = (free_port(), free_port());
@@ -53,13 +56,18 @@ impl Setup {
                 e.url()
             ));
             engines.push(e);
+            engines_ports.push((p, r));
         }
         let cfg = format!(
             "backends = [{}]\n[precise]\nenabled = true\n{precise}\n",
             backends.join(", ")
         );
         let router = Router::spawn(&[], &[], &cfg);
-        let s = Setup { engines, router };
+        let s = Setup {
+            engines,
+            engines_ports,
+            router,
+        };
         for e in &s.engines {
             assert!(
                 s.wait_precise(&e.url(), |p| p["state"] == "EXACT"),
@@ -259,16 +267,17 @@ fn an_engine_restart_drops_its_entries() {
     std::thread::sleep(Duration::from_millis(200));
     s.send(&c);
     assert!(
-        s.wait_precise(&url, |p| p["restarts"] == 1),
+        s.wait_precise(&url, |p| p["restarts"] == 1 && p["last_seq"] == 0),
         "{}",
         s.precise(&url)
     );
     let ex = s.explain(&a);
     assert_eq!(ex["matched_blocks"], 0, "a is gone with the restart: {ex}");
     assert_eq!(matched_on(&ex, &url), "precise");
-    assert!(
-        s.router.backend(&url)["index_blocks"].as_u64() > Some(0),
-        "the approximate index still believed it held a"
+    assert_eq!(
+        s.router.backend(&url)["index_blocks"],
+        0,
+        "the approximate index forgot it too (it would route it while DEGRADED)"
     );
     assert_warm_precise(&s, &c, &url);
     assert_eq!(s.precise(&url)["state"], "EXACT");
@@ -359,9 +368,9 @@ fn a_dead_stream_degrades_to_the_approximate_index_then_turns_exact_again() {
 
 #[test]
 fn the_burst_guard_holds_a_just_routed_prompt_before_its_events_arrive() {
-    // A slow prefill (80 tokens at 100 tokens/s): the engine stores the
-    // prompt's blocks, and publishes them, about 0.8 s after it arrives.
-    let slow: &[&str] = &["--time-scale", "1", "--prefill-tps", "100"];
+    // A slow prefill (about 90 tokens at 40 tokens/s): the engine stores
+    // the prompt's blocks, and publishes them, about 2 s after it arrives.
+    let slow: &[&str] = &["--time-scale", "1", "--prefill-tps", "40"];
     let s = Setup::new(&[slow, slow], "burst_ms = 5000");
     let a = chat("tides");
     let router = s.router.addr;
@@ -391,6 +400,136 @@ fn the_burst_guard_holds_a_just_routed_prompt_before_its_events_arrive() {
         Some(0),
         "warm from the guard alone, before the engine stored anything"
     );
+}
+
+#[test]
+fn a_cache_salt_keys_blocks_apart() {
+    let s = Setup::new(&[&[]], "burst_ms = 0");
+    let url = s.engines[0].url();
+    let salted = |salt: Option<&str>| {
+        let mut body = chat("ciphers");
+        if let Some(salt) = salt {
+            body["cache_salt"] = json!(salt);
+        }
+        body
+    };
+    s.send(&salted(Some("tenant-a")));
+    assert!(s.wait_precise(&url, |p| p["held_blocks"].as_u64() > Some(0)));
+    // The engine folded the salt into the first block (and said so in its
+    // event's extra_keys); the router folds the request's salt the same way.
+    assert_warm_precise(&s, &salted(Some("tenant-a")), &url);
+    for other in [salted(Some("tenant-b")), salted(None)] {
+        let ex = s.explain(&other);
+        assert_eq!(ex["matched_blocks"], 0, "another salt shares nothing: {ex}");
+    }
+    // And the engine agrees: the same prompt with another salt is a miss.
+    let r = post_json(
+        s.engines[0].addr,
+        "/v1/chat/completions",
+        &salted(Some("tenant-b")),
+    )
+    .unwrap();
+    assert_eq!(
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        0,
+        "{}",
+        r.text()
+    );
+}
+
+#[test]
+fn completions_text_and_token_ids_match_the_engines_blocks() {
+    let s = Setup::new(&[&[]], "burst_ms = 0");
+    let url = s.engines[0].url();
+    let text = json!({
+        "model": "sim-llama-8b", "max_tokens": 2,
+        "prompt": "Line one of a long completion prompt.\nLine two, a little longer than the first one.\nAnd a third line to fill a few more blocks of tokens here.\n",
+    });
+    let ids = json!({
+        "model": "sim-llama-8b", "max_tokens": 2,
+        // Ids with a 0x0A byte in them: not to be cut like text at newlines.
+        "prompt": (0..80u32).map(|i| i * 257 + 10).collect::<Vec<_>>(),
+    });
+    for (n, body) in [&text, &ids].into_iter().enumerate() {
+        let r = post_json(s.router.addr, "/v1/completions", body).unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(s.wait_precise(&url, |p| p["last_seq"] == n as u64));
+        let r = post_json(s.router.admin, "/admin/explain?endpoint=completions", body).unwrap();
+        let ex = r.json();
+        assert_eq!(ex["decision"], "warm", "{ex}");
+        assert_eq!(matched_on(&ex, &url), "precise");
+        assert_eq!(ex["matched_blocks"], ex["blocks"], "every block: {ex}");
+    }
+}
+
+#[test]
+fn traffic_that_bypassed_the_router_routes_warm_where_the_engine_holds_it() {
+    let s = Setup::new(&[&[], &[]], "burst_ms = 0");
+    let a = chat("sundials");
+    // Where the router would place a cold `a`, and the other engine.
+    let cold = s.explain(&a)["chosen"].as_str().unwrap().to_owned();
+    let other = s.engines.iter().find(|e| e.url() != cold).unwrap();
+    // A client talks to that engine directly, behind the router's back.
+    let r = post_json(other.addr, "/v1/chat/completions", &a).unwrap();
+    assert_eq!(r.status, 200);
+    assert!(
+        s.wait_precise(&other.url(), |p| p["held_blocks"].as_u64() > Some(0)),
+        "{}",
+        s.precise(&other.url())
+    );
+    assert_warm_precise(&s, &a, &other.url());
+    assert_eq!(
+        s.router.backend(&other.url())["index_blocks"],
+        0,
+        "the approximate index never saw it"
+    );
+}
+
+#[test]
+fn router_replicas_see_what_the_others_sent() {
+    let s = Setup::new(&[&[], &[], &[]], "burst_ms = 0");
+    let backends: Vec<String> = s
+        .engines
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let (p, r) = s.engines_ports[i];
+            format!(
+                "{{ url = \"{}\", kv_events = \"tcp://127.0.0.1:{p}\", kv_events_replay = \"tcp://127.0.0.1:{r}\" }}",
+                e.url()
+            )
+        })
+        .collect();
+    let cfg = format!(
+        "backends = [{}]\n[precise]\nenabled = true\nburst_ms = 0\n",
+        backends.join(", ")
+    );
+    let second = Router::spawn(&[], &[], &cfg);
+    // Conversations start on the first replica; their next turns arrive at
+    // the second, which never sent them anything.
+    for i in 0..4 {
+        let a = chat(&format!("replica topic {i}"));
+        s.send(&a);
+        let deadline = Instant::now() + WAIT;
+        let ex = loop {
+            let ex = explain(second.admin, &a);
+            if ex["matched_blocks"] == ex["blocks"] || Instant::now() > deadline {
+                break ex;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(ex["decision"], "warm", "{ex}");
+        let chosen = ex["chosen"].as_str().unwrap();
+        assert!(
+            second.backend(chosen)["precise"]["held_blocks"].as_u64() > Some(0),
+            "{ex}"
+        );
+        assert_eq!(
+            second.backend(chosen)["index_blocks"],
+            0,
+            "known from events only"
+        );
+    }
 }
 
 /// The Python engine stand-in: pyzmq and msgpack, written from vLLM's
@@ -426,9 +565,11 @@ def h(kind, i):
 seq = 0
 for line in sys.stdin:
     cmd = json.loads(line)
-    enc, kind = cmd["encoding"], cmd["hashes"]
+    enc, kind = cmd.get("encoding"), cmd.get("hashes")
     events = []
-    if cmd["op"] == "stored":
+    if cmd["op"] == "garbage":
+        events = None
+    elif cmd["op"] == "stored":
         toks, first = cmd["tokens"], cmd["first"]
         n = len(toks) // 16
         hashes = [h(kind, first + i) for i in range(n)]
@@ -447,11 +588,12 @@ for line in sys.stdin:
             events.append(["BlockRemoved", hashes, "GPU", 0])
         else:
             events.append({"type": "BlockRemoved", "block_hashes": hashes})
-    if enc == "array":
-        batch = [time.time(), events, None]
+    if events is None:
+        payload = b"\xc1 not a batch"
+    elif enc == "array":
+        payload = msgpack.packb([time.time(), events, None], use_bin_type=True)
     else:
-        batch = {"ts": time.time(), "events": events}
-    payload = msgpack.packb(batch, use_bin_type=True)
+        payload = msgpack.packb({"ts": time.time(), "events": events}, use_bin_type=True)
     with lock:
         buf.append((seq, payload))
     pub.send_multipart([b"kv-events", struct.pack(">q", seq), payload])
@@ -459,7 +601,11 @@ for line in sys.stdin:
     seq += 1
 "#;
 
-/// `target/kv-events-venv` with pyzmq and msgpack from PyPI, made once.
+/// The Python packages of the publisher test, pinned (pyzmq bundles
+/// libzmq 4.3.5).
+const PY_PACKAGES: [(&str, &str); 2] = [("pyzmq", "27.3.0"), ("msgpack", "1.2.4")];
+
+/// `target/kv-events-venv` with [`PY_PACKAGES`] from PyPI, made once.
 fn python_with_pyzmq() -> PathBuf {
     let target = testkit::bin_path("sim-engine")
         .parent()
@@ -468,9 +614,13 @@ fn python_with_pyzmq() -> PathBuf {
         .to_path_buf();
     let venv = target.join("kv-events-venv");
     let py = venv.join("bin/python");
+    let check = format!(
+        "import zmq, msgpack; assert zmq.__version__ == {:?}; assert '.'.join(map(str, msgpack.version)) == {:?}",
+        PY_PACKAGES[0].1, PY_PACKAGES[1].1
+    );
     let ready = || {
         Command::new(&py)
-            .args(["-c", "import zmq, msgpack"])
+            .args(["-c", &check])
             .stderr(Stdio::null())
             .status()
             .is_ok_and(|s| s.success())
@@ -482,7 +632,8 @@ fn python_with_pyzmq() -> PathBuf {
             .status()
             .is_ok_and(|s| s.success())
             && Command::new(venv.join("bin/pip"))
-                .args(["install", "--quiet", "--timeout", "60", "pyzmq", "msgpack"])
+                .args(["install", "--quiet", "--timeout", "60"])
+                .args(PY_PACKAGES.map(|(p, v)| format!("{p}=={v}")))
                 .status()
                 .is_ok_and(|s| s.success());
         assert!(
@@ -516,11 +667,12 @@ fn the_router_decodes_what_a_python_engine_publishes_in_both_encodings() {
     let engine = SimEngine::spawn(&["--time-scale", "0"]);
     let url = engine.url();
     let cfg = format!(
-        "backends = [{{ url = \"{url}\", kv_events = \"tcp://127.0.0.1:{p}\", kv_events_replay = \"tcp://127.0.0.1:{r}\" }}]\n[precise]\nenabled = true\nburst_ms = 0\n"
+        "backends = [{{ url = \"{url}\", kv_events = \"tcp://127.0.0.1:{p}\", kv_events_replay = \"tcp://127.0.0.1:{r}\" }}]\n[precise]\nenabled = true\nburst_ms = 0\nrecover_ms = 1000\n"
     );
     let router = Router::spawn(&[], &[], &cfg);
     let s = Setup {
         engines: vec![engine],
+        engines_ports: vec![(p, r)],
         router,
     };
     assert!(
@@ -594,6 +746,31 @@ fn the_router_decodes_what_a_python_engine_publishes_in_both_encodings() {
         ex["matched_blocks"].as_u64() < ex["blocks"].as_u64(),
         "a's match stops where its block was removed: {ex}"
     );
+    // A payload that is not a batch: counted, the backend forgotten and
+    // DEGRADED, then EXACT again after recover_ms; the router stays up.
+    publish(json!({"op": "garbage"}), 4);
+    assert!(
+        s.wait_precise(&url, |p| p["decode_errors"] == 1),
+        "{}",
+        s.precise(&url)
+    );
+    let p = s.precise(&url);
+    assert_eq!(p["held_blocks"], 0, "{p}");
+    assert!(
+        p["state"] == "DEGRADED" && p["reason"] == "decode-error",
+        "{p}"
+    );
+    assert!(
+        s.wait_precise(&url, |p| p["state"] == "EXACT"),
+        "{}",
+        s.precise(&url)
+    );
+    publish(
+        json!({"op": "stored", "encoding": "map", "hashes": "u64", "tokens": tokens(&a), "first": 200}),
+        5,
+    );
+    assert!(s.wait_precise(&url, |p| p["last_seq"] == 5));
+    assert_warm_precise(&s, &a, &url);
     drop(stdin);
     let _ = std::fs::remove_file(&script);
 }

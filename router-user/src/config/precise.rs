@@ -88,6 +88,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_example_config_says_the_defaults() {
+        let text = include_str!("../../prefix-router.example.toml");
+        let cfg: crate::config::Config = toml::from_str(text).unwrap();
+        assert_eq!(cfg.precise, PreciseConfig::default());
+        assert!(!cfg.precise.enabled, "approximate mode stays the default");
+        assert_eq!(
+            cfg.backends[3].kv_events(),
+            (Some("tcp://127.0.0.1:5557"), Some("tcp://127.0.0.1:5558"))
+        );
+    }
+
+    #[test]
     fn endpoints_are_derived_from_the_backend_host_or_given() {
         let c = PreciseConfig::default();
         let e = c.endpoints(&BackendConfig::Url("http://10.0.0.7:8000".into()));

@@ -24,7 +24,7 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use super::events::EngineHash;
 use super::keys::block_key;
@@ -33,8 +33,8 @@ use crate::route::index::{Matches, bits};
 
 /// Slots probed for a key from its home slot. Past them an insert displaces
 /// a block, which cuts every chain through it: with 8 (as `route::index`)
-/// and the table 3/4 full, a 1,023-block prompt lost its match at block 438
-/// in `benches/precise.rs`; 16 slots and a table at most half full keep
+/// on a table 37% full, a 1,023-block prompt lost its match at block 438
+/// in `benches/precise.rs`; 16 slots on a table at most half full keep
 /// displacements rare (none in that bench).
 const PROBE: usize = 16;
 
@@ -71,6 +71,9 @@ pub enum StoreMiss {
 pub struct PreciseIndex {
     slots: Box<[Slot]>,
     held: Box<[Mutex<Held>]>,
+    /// Each backend's `Held::by_engine` length, readable without its lock
+    /// (selection's cache pressure reads it).
+    held_count: Box<[AtomicUsize]>,
 }
 
 impl PreciseIndex {
@@ -87,6 +90,7 @@ impl PreciseIndex {
                 })
                 .collect(),
             held: (0..MAX_BACKENDS).map(|_| Mutex::default()).collect(),
+            held_count: (0..MAX_BACKENDS).map(|_| AtomicUsize::new(0)).collect(),
         }
     }
 
@@ -129,6 +133,7 @@ impl PreciseIndex {
             *held.refs.entry(key).or_insert(0) += 1;
             self.find_or_claim(key).owners.fetch_or(bit, Relaxed);
         }
+        self.held_count[backend].store(held.by_engine.len(), Relaxed);
         Ok(hashes.len())
     }
 
@@ -153,6 +158,7 @@ impl PreciseIndex {
                 Self::unref(&mut held, key, |k| self.drop_owner(k, bit));
             }
         }
+        self.held_count[backend].store(held.by_engine.len(), Relaxed);
         n
     }
 
@@ -166,6 +172,7 @@ impl PreciseIndex {
         }
         held.refs = HashMap::new();
         held.by_engine = HashMap::new();
+        self.held_count[backend].store(0, Relaxed);
         // And its burst guards: a flushed engine holds nothing just sent.
         for s in self.slots.iter() {
             if s.guard.load(Relaxed) & bit != 0 {
@@ -174,9 +181,10 @@ impl PreciseIndex {
         }
     }
 
-    /// Blocks `backend`'s engine holds, as far as its events said.
+    /// Blocks `backend`'s engine holds, as far as its events said (no
+    /// lock; may lag a writer by one event).
     pub fn held_blocks(&self, backend: usize) -> usize {
-        self.held(backend).by_engine.len()
+        self.held_count[backend].load(Relaxed)
     }
 
     /// Marks `keys` as held by `backend` for the burst guard's time, from

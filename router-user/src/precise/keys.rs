@@ -80,11 +80,24 @@ const ROLE_END: u8 = 0x1f;
 /// `route::extract` writes it) is `canonical`, written into `out` (cleared
 /// first); `text` is scratch. For a chat the canonical form (`RS role US
 /// text` per message) is rendered with the ChatML template, then
-/// tokenized; completion text is tokenized as it is. Completions given as
-/// token ids are not told apart from text here (a known gap: their ids are
-/// taken 4 bytes at a time, cut at newline bytes).
-pub fn engine_tokens(endpoint: Endpoint, canonical: &[u8], text: &mut Vec<u8>, out: &mut Vec<u32>) {
+/// tokenized; completion text is tokenized as it is; a prompt given as
+/// token ids (`token_ids`) is those ids.
+pub fn engine_tokens(
+    endpoint: Endpoint,
+    canonical: &[u8],
+    token_ids: bool,
+    text: &mut Vec<u8>,
+    out: &mut Vec<u32>,
+) {
     out.clear();
+    if token_ids && endpoint != Endpoint::Chat {
+        out.extend(
+            canonical
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        );
+        return;
+    }
     match endpoint {
         Endpoint::Chat => {
             text.clear();
@@ -146,7 +159,7 @@ mod tests {
             canon.extend_from_slice(text.as_bytes());
         }
         let (mut text, mut toks) = (Vec::new(), Vec::new());
-        engine_tokens(Endpoint::Chat, &canon, &mut text, &mut toks);
+        engine_tokens(Endpoint::Chat, &canon, false, &mut text, &mut toks);
         assert_eq!(
             text,
             b"<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

@@ -22,6 +22,7 @@ pub mod keys;
 pub mod metrics;
 pub mod subscriber;
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Instant;
 
@@ -30,9 +31,9 @@ use events::{Batch, Event};
 use index::{PreciseIndex, StoreMiss};
 
 use crate::route::MAX_BACKENDS;
-use crate::route::index::Matches;
+use crate::route::index::{Matches, PrefixIndex};
 
-/// Tuning of precise mode (config `[precise]`, documented there).
+/// Tuning of precise mode (`config::precise`, `[precise]`, documented there).
 #[derive(Clone, Copy, Debug)]
 pub struct Settings {
     /// Tokens per engine block when an event does not say.
@@ -46,15 +47,19 @@ pub struct Settings {
 /// The precise index and every backend's confidence.
 pub struct Precise {
     pub index: PreciseIndex,
+    /// The approximate index: an engine that flushed or restarted holds
+    /// nothing the router sent it either.
+    approx: Arc<PrefixIndex>,
     pub confidence: Box<[Confidence]>,
     pub settings: Settings,
     started: Instant,
 }
 
 impl Precise {
-    pub fn new(total_capacity: usize, settings: Settings) -> Precise {
+    pub fn new(total_capacity: usize, settings: Settings, approx: Arc<PrefixIndex>) -> Precise {
         Precise {
             index: PreciseIndex::new(total_capacity),
+            approx,
             confidence: (0..MAX_BACKENDS).map(|_| Confidence::new()).collect(),
             settings,
             started: Instant::now(),
@@ -92,10 +97,17 @@ impl Precise {
         self.confidence[slot].clears.fetch_add(1, Relaxed);
     }
 
+    /// `slot`'s engine dropped its whole cache (`AllBlocksCleared`, a
+    /// restart): both indexes forget it.
+    pub fn flushed(&self, slot: usize) {
+        self.approx.clear_backend(slot);
+        self.forget(slot);
+    }
+
     /// A batch of `slot` was lost for good: forget, DEGRADED for a while.
     pub fn lost(&self, slot: usize, reason: Reason) {
-        self.forget(slot);
         self.confidence[slot].lost(reason, self.now_ms() + self.settings.recover_ms);
+        self.forget(slot);
     }
 
     /// Applies one decoded batch of `slot` with sequence number `seq`.
@@ -135,7 +147,7 @@ impl Precise {
                 Event::Removed { hashes } => {
                     self.index.removed(slot, hashes);
                 }
-                Event::Cleared => self.forget(slot),
+                Event::Cleared => self.flushed(slot),
             }
         }
         let now = std::time::SystemTime::now()

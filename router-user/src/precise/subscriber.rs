@@ -214,8 +214,8 @@ impl Stream {
                 slot = self.slot,
                 seq, "KV events: sequence went back: engine restarted"
             );
+            self.precise.flushed(self.slot);
             conf.restarts.fetch_add(1, Relaxed);
-            self.precise.forget(self.slot);
             self.groups = Groups::default();
             self.next = 0;
         }
@@ -243,10 +243,11 @@ impl Stream {
             Ok(batch) => self.precise.apply(self.slot, seq, &batch),
             Err(e) => {
                 warn!(slot = self.slot, seq, error = %e, "KV events: batch did not decode; forgetting the backend");
+                // Counted last: whoever sees the count sees the state too.
+                self.precise.lost(self.slot, Reason::DecodeError);
                 self.precise.confidence[self.slot]
                     .decode_errors
                     .fetch_add(1, Relaxed);
-                self.precise.lost(self.slot, Reason::DecodeError);
             }
         }
         self.next = seq + 1;
@@ -269,8 +270,6 @@ impl Stream {
 
     /// Batches from `self.next` on are lost for good.
     fn lose(&mut self, from: u64) {
-        let c = &self.precise.confidence[self.slot];
-        c.unfilled_gaps.fetch_add(1, Relaxed);
         info!(
             slot = self.slot,
             from,
@@ -278,6 +277,9 @@ impl Stream {
             "KV events: replay could not fill the gap; forgetting the backend"
         );
         self.precise.lost(self.slot, Reason::Gap);
+        self.precise.confidence[self.slot]
+            .unfilled_gaps
+            .fetch_add(1, Relaxed);
     }
 
     /// Asks the replay socket for every batch from `from` and applies them

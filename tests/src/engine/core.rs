@@ -43,6 +43,8 @@ struct Seq {
     /// The prompt's tokens while KV events are published (their BlockStored
     /// events carry them), else empty.
     tokens: Vec<Token>,
+    /// Its `cache_salt`, the extra key of its first block's event.
+    salt: Option<Vec<u8>>,
     max_tokens: u32,
     arrival: Instant,
     tx: UnboundedSender<Progress>,
@@ -115,7 +117,7 @@ impl Engine {
         max_tokens: u32,
         now: Instant,
     ) -> UnboundedReceiver<Progress> {
-        self.submit_tokens(prompt, Vec::new(), max_tokens, now)
+        self.submit_tokens(prompt, Vec::new(), None, max_tokens, now)
     }
 
     /// [`submit`](Self::submit) with the prompt's `tokens`, for the KV
@@ -124,6 +126,7 @@ impl Engine {
         &mut self,
         prompt: PromptBlocks,
         tokens: Vec<Token>,
+        salt: Option<Vec<u8>>,
         max_tokens: u32,
         now: Instant,
     ) -> UnboundedReceiver<Progress> {
@@ -133,6 +136,7 @@ impl Engine {
         let seq = Seq {
             prompt,
             tokens,
+            salt,
             max_tokens: max_tokens.max(1),
             arrival: now,
             tx,
@@ -151,7 +155,7 @@ impl Engine {
     /// prompt and output blocks, release. Returns the cached prompt tokens,
     /// or `None` if its blocks do not fit next to the running requests.
     pub fn run_now(&mut self, prompt: &PromptBlocks, max_tokens: u32) -> Option<u32> {
-        self.run_now_tokens(prompt, &[], max_tokens)
+        self.run_now_tokens(prompt, &[], None, max_tokens)
     }
 
     /// [`run_now`](Self::run_now) with the prompt's `tokens`, for the KV
@@ -160,6 +164,7 @@ impl Engine {
         &mut self,
         prompt: &PromptBlocks,
         tokens: &[Token],
+        salt: Option<&[u8]>,
         max_tokens: u32,
     ) -> Option<u32> {
         let hit = prompt.usable_hit_blocks(self.cache.lookup(&prompt.hashes));
@@ -169,11 +174,11 @@ impl Engine {
             &mut self.cache,
             &blocks,
             prompt,
-            tokens,
+            (tokens, salt),
             hit..prompt.hashes.len(),
         );
         let output = output_text::tokens(prompt.digest(), max_tokens);
-        store_output_blocks(&mut self.cache, &blocks, prompt, &output);
+        store_output_blocks(&mut self.cache, &blocks, prompt, &output, salt);
         self.cache.release(&blocks);
         let cached = (hit * BLOCK_SIZE) as u32;
         let m = &mut self.metrics;
@@ -261,7 +266,7 @@ impl Engine {
                 &mut self.cache,
                 &s.blocks,
                 &s.prompt,
-                &s.tokens,
+                (&s.tokens, s.salt.as_deref()),
                 s.registered..upto,
             );
             s.registered = upto;
@@ -303,7 +308,13 @@ impl Engine {
             return;
         };
         let output = output_text::tokens(s.prompt.digest(), s.generated);
-        store_output_blocks(&mut self.cache, &s.blocks, &s.prompt, &output);
+        store_output_blocks(
+            &mut self.cache,
+            &s.blocks,
+            &s.prompt,
+            &output,
+            s.salt.as_deref(),
+        );
         self.cache.release(&s.blocks);
         self.metrics.generation_tokens += u64::from(s.generated);
         if completed {
@@ -326,12 +337,13 @@ impl Engine {
 }
 
 /// Stores the prompt's blocks `range` (computed now) in `blocks`. Their
-/// tokens come from `tokens` when the cache records events (else none).
+/// tokens come from `tokens` when the cache records events (else none),
+/// the first block's extra key from `salt`.
 fn store_prompt_blocks(
     cache: &mut KvCache,
     blocks: &[u32],
     prompt: &PromptBlocks,
-    tokens: &[Token],
+    (tokens, salt): (&[Token], Option<&[u8]>),
     range: std::ops::Range<usize>,
 ) {
     for i in range {
@@ -339,7 +351,9 @@ fn store_prompt_blocks(
         let toks = tokens
             .get(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE)
             .unwrap_or(&[]);
-        cache.store(blocks[i], prompt.hashes[i], parent, toks);
+        // The salt is folded into a sequence's first block.
+        let extra = if i == 0 { salt } else { None };
+        cache.store(blocks[i], prompt.hashes[i], parent, toks, extra);
     }
 }
 
@@ -350,6 +364,7 @@ fn store_output_blocks(
     blocks: &[u32],
     prompt: &PromptBlocks,
     output: &[Token],
+    salt: Option<&[u8]>,
 ) {
     let hashes = prompt.output_block_hashes(output);
     let first = prompt.hashes.len();
@@ -361,7 +376,8 @@ fn store_output_blocks(
     let mut parent = prompt.hashes.last().copied();
     for (j, h) in hashes.into_iter().enumerate() {
         let toks = seq.get(j * BLOCK_SIZE..(j + 1) * BLOCK_SIZE).unwrap_or(&[]);
-        cache.store(blocks[first + j], h, parent, toks);
+        let extra = if parent.is_none() { salt } else { None };
+        cache.store(blocks[first + j], h, parent, toks, extra);
         parent = Some(h);
     }
 }

@@ -132,14 +132,16 @@ impl KvCache {
     }
 
     /// [`register`](Self::register), recording a stored block (its parent's
-    /// hash, `None` for a sequence's first block, and its tokens) when KV
-    /// events are published.
+    /// hash, `None` for a sequence's first block, its tokens, and its extra
+    /// key: the cache salt of a sequence's first block) when KV events are
+    /// published.
     pub fn store(
         &mut self,
         block: u32,
         hash: BlockHash,
         parent: Option<BlockHash>,
         tokens: &[Token],
+        extra: Option<&[u8]>,
     ) -> bool {
         let stored = self.register(block, hash);
         if stored && self.log.is_some() {
@@ -147,6 +149,7 @@ impl KvCache {
                 hash,
                 parent,
                 tokens: tokens.to_vec(),
+                extra: extra.map(<[u8]>::to_vec),
             });
         }
         stored

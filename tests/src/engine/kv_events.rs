@@ -53,6 +53,9 @@ pub enum CacheEvent {
         /// The previous block of its sequence (`None` for the first).
         parent: Option<BlockHash>,
         tokens: Vec<Token>,
+        /// The extra key folded into its hash (the cache salt of a
+        /// sequence's first block), sent in `extra_keys`.
+        extra: Option<Vec<u8>>,
     },
     /// A cached block was evicted (reused for other content).
     Removed(BlockHash),
@@ -328,6 +331,8 @@ struct StoredRun {
     hashes: Vec<BlockHash>,
     parent: Option<BlockHash>,
     tokens: Vec<Token>,
+    /// Per block.
+    extra: Vec<Option<Vec<u8>>>,
 }
 
 /// Encodes one batch. Consecutive stored blocks of one chain become one
@@ -378,12 +383,14 @@ pub fn encode_batch(
                 hash: h,
                 parent,
                 tokens,
+                extra,
             } => {
                 flush_removed(&mut removed, &mut out);
                 match &mut run {
                     Some(r) if r.hashes.last() == parent.as_ref() => {
                         r.hashes.push(*h);
                         r.tokens.extend_from_slice(tokens);
+                        r.extra.push(extra.clone());
                     }
                     _ => {
                         flush_run(&mut run, &mut out);
@@ -391,6 +398,7 @@ pub fn encode_batch(
                             hashes: vec![*h],
                             parent: *parent,
                             tokens: tokens.clone(),
+                            extra: vec![extra.clone()],
                         });
                     }
                 }
@@ -431,6 +439,19 @@ fn stored(enc: Encoding, r: &StoredRun, hash: &dyn Fn(BlockHash) -> Value) -> Va
     let hashes = Value::Array(r.hashes.iter().map(|&h| hash(h)).collect());
     let parent = r.parent.map_or(Value::Nil, hash);
     let tokens = Value::Array(r.tokens.iter().map(|&t| Value::from(t)).collect());
+    // vLLM's per-block tuples of extra keys (here the cache salt).
+    let extra = r.extra.iter().any(Option::is_some).then(|| {
+        Value::Array(
+            r.extra
+                .iter()
+                .map(|e| {
+                    e.as_ref().map_or(Value::Nil, |b| {
+                        Value::Array(vec![Value::from(String::from_utf8_lossy(b).into_owned())])
+                    })
+                })
+                .collect(),
+        )
+    });
     match enc {
         Encoding::Array => Value::Array(vec![
             "BlockStored".into(),
@@ -438,13 +459,13 @@ fn stored(enc: Encoding, r: &StoredRun, hash: &dyn Fn(BlockHash) -> Value) -> Va
             parent,
             tokens,
             Value::from(BLOCK_SIZE as u64),
-            Value::Nil,              // lora_id
-            "GPU".into(),            // medium
-            Value::Nil,              // lora_name
-            Value::Nil,              // extra_keys
-            Value::from(0),          // group_idx
-            "full_attention".into(), // kv_cache_spec_kind
-            Value::Nil,              // kv_cache_spec_sliding_window
+            Value::Nil,                          // lora_id
+            "GPU".into(),                        // medium
+            Value::Nil,                          // lora_name
+            extra.clone().unwrap_or(Value::Nil), // extra_keys
+            Value::from(0),                      // group_idx
+            "full_attention".into(),             // kv_cache_spec_kind
+            Value::Nil,                          // kv_cache_spec_sliding_window
         ]),
         Encoding::Map => {
             let mut f = vec![("type", "BlockStored".into()), ("block_hashes", hashes)];
@@ -454,6 +475,9 @@ fn stored(enc: Encoding, r: &StoredRun, hash: &dyn Fn(BlockHash) -> Value) -> Va
             f.push(("token_ids", tokens));
             f.push(("block_size", Value::from(BLOCK_SIZE as u64)));
             f.push(("medium", "GPU".into()));
+            if let Some(e) = extra {
+                f.push(("extra_keys", e));
+            }
             map(f)
         }
     }
@@ -488,11 +512,13 @@ mod tests {
                 hash: 1,
                 parent: None,
                 tokens: vec![7; 16],
+                extra: Some(b"salt".to_vec()),
             },
             CacheEvent::Stored {
                 hash: 2,
                 parent: Some(1),
                 tokens: vec![8; 16],
+                extra: None,
             },
             CacheEvent::Removed(9),
             CacheEvent::Removed(u64::MAX),
@@ -505,6 +531,12 @@ mod tests {
         assert_eq!(events[0][1].as_array().unwrap().len(), 2);
         assert!(events[0][2].is_nil());
         assert_eq!(events[0][3].as_array().unwrap().len(), 32);
+        assert_eq!(
+            events[0][8][0][0].as_str(),
+            Some("salt"),
+            "extra_keys per block"
+        );
+        assert!(events[0][8][1].is_nil());
         assert_eq!(events[1][1][1].as_u64(), Some(u64::MAX));
         assert_eq!(events[2][0].as_str(), Some("AllBlocksCleared"));
         assert!(v[2].is_nil());

@@ -3,7 +3,7 @@
 //! across an await.
 
 use super::api::{self, ApiError, ApiKind, Responder};
-use super::block_hash::{PromptBlocks, chain_seed};
+use super::block_hash::{PromptBlocks, chain_seed, salted_seed};
 use super::config::EngineArgs;
 use super::core::{Engine, Progress};
 use super::faults::FaultUpdate;
@@ -391,7 +391,12 @@ impl Server {
             );
             return self.error(s, out, ApiError::bad_request(msg), ka).await;
         }
-        let prompt = PromptBlocks::new(self.model_seeds[job.model], &job.tokens);
+        let seed = match &job.cache_salt {
+            Some(salt) => salted_seed(self.model_seeds[job.model], salt),
+            None => self.model_seeds[job.model],
+        };
+        let prompt = PromptBlocks::new(seed, &job.tokens);
+        let salt = job.cache_salt.map(String::into_bytes);
         let tokens = if self.kv_events {
             job.tokens
         } else {
@@ -411,6 +416,7 @@ impl Server {
             let cached = self.engine.lock().expect("engine lock").run_now_tokens(
                 &prompt,
                 &tokens,
+                salt.as_deref(),
                 job.max_tokens,
             );
             let Some(cached) = cached else {
@@ -449,6 +455,7 @@ impl Server {
         let rx = self.engine.lock().expect("engine lock").submit_tokens(
             prompt,
             tokens,
+            salt,
             job.max_tokens,
             arrival,
         );
