@@ -358,12 +358,12 @@ impl Router {
         crate::precise::keys::engine_tokens(
             ep,
             &scratch.canonical,
-            scratch.extractor.token_ids(),
+            scratch.canon.token_ids(),
             &mut scratch.text,
             &mut scratch.tokens,
         );
         scratch.first_extra.clear();
-        let salt = scratch.extractor.salt();
+        let salt = scratch.canon.salt();
         if !salt.is_empty() {
             scratch.first_extra.push(salt.to_vec());
         }

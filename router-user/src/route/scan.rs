@@ -32,6 +32,10 @@ pub struct Canonical {
     /// Side-buffer bytes merge only into pieces from this one on (a
     /// message's content is moved behind its header afterwards).
     merge_from: usize,
+    /// The prompt was given as token ids.
+    token_ids: bool,
+    /// The body's `cache_salt` (empty: none).
+    salt: Vec<u8>,
 }
 
 impl Canonical {
@@ -49,6 +53,19 @@ impl Canonical {
         self.aux.clear();
         self.len = 0;
         self.merge_from = 0;
+        self.token_ids = false;
+        self.salt.clear();
+    }
+
+    /// Whether the prompt was given as token ids (precise mode tokenizes
+    /// nothing then).
+    pub fn token_ids(&self) -> bool {
+        self.token_ids
+    }
+
+    /// The body's `cache_salt` (empty: none).
+    pub fn salt(&self) -> &[u8] {
+        &self.salt
     }
 
     fn body(&mut self, start: usize, end: usize) {
@@ -119,6 +136,7 @@ pub fn scan(endpoint: Endpoint, body: &[u8], canon: &mut Canonical) -> Result<Pr
     let adapter = field(fields.lora_path).unwrap_or(&[]);
     let salt = field(fields.cache_salt).unwrap_or(&[]);
     let seed = namespace_seed(&[model, adapter, salt]);
+    canon.salt.extend_from_slice(salt);
     let user = field(fields.user).map(xxh3_64);
     match endpoint {
         Endpoint::Chat if !fields.saw_prompt => Err(RouterError::new(
@@ -1005,6 +1023,7 @@ impl<'a> Scanner<'a, '_> {
                 return self.bad("token ids must be integers from 0 to 4294967295");
             };
             if write {
+                self.canon.token_ids = true;
                 self.canon.aux(&t.to_le_bytes());
             }
             match self.peek() {

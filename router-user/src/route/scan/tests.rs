@@ -6,25 +6,33 @@ use serde_json::{Value, json};
 
 /// What the reference extractor says of a body.
 fn oracle(ep: Endpoint, body: &[u8]) -> Result<(Vec<u8>, Prompt), u16> {
+    oracle_full(ep, body).map(|(c, p, ..)| (c, p))
+}
+
+/// The reference's reading with its salt and whether it read token ids.
+fn oracle_full(ep: Endpoint, body: &[u8]) -> Result<(Vec<u8>, Prompt, Vec<u8>, bool), u16> {
     let mut out = Vec::new();
-    Extractor::default()
-        .extract(ep, body, &mut out)
-        .map(|p| (out, p))
-        .map_err(|e| e.status())
+    let mut ex = Extractor::default();
+    let p = ex.extract(ep, body, &mut out).map_err(|e| e.status())?;
+    Ok((out, p, ex.salt().to_vec(), ex.token_ids()))
 }
 
 /// What the scanner says of it, the canonical form written out.
 fn scanned(ep: Endpoint, body: &[u8]) -> Result<(Vec<u8>, Prompt), u16> {
+    scanned_full(ep, body).map(|(c, p, ..)| (c, p))
+}
+
+fn scanned_full(ep: Endpoint, body: &[u8]) -> Result<(Vec<u8>, Prompt, Vec<u8>, bool), u16> {
     let mut c = Canonical::default();
     let p = scan(ep, body, &mut c).map_err(|e| e.status())?;
     let mut out = Vec::new();
     c.write_to(body, &mut out);
     assert_eq!(out.len(), c.len());
-    Ok((out, p))
+    Ok((out, p, c.salt().to_vec(), c.token_ids()))
 }
 
 fn agree(ep: Endpoint, body: &[u8]) -> Result<(), TestCaseError> {
-    let (a, b) = (oracle(ep, body), scanned(ep, body));
+    let (a, b) = (oracle_full(ep, body), scanned_full(ep, body));
     prop_assert_eq!(&a, &b, "{:?} on {:?}", ep, String::from_utf8_lossy(body));
     Ok(())
 }
