@@ -8,8 +8,11 @@
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use prefix_router::route::MAX_BACKENDS;
 use prefix_router::route::extract::{Endpoint, Extractor};
-use prefix_router::route::hash::{DEFAULT_BLOCK_BYTES, block_hashes, namespace_seed};
+use prefix_router::route::hash::{
+    DEFAULT_BLOCK_BYTES, block_hashes, block_hashes_pieces, namespace_seed,
+};
 use prefix_router::route::index::{Matches, PrefixIndex};
+use prefix_router::route::scan::{Canonical, scan};
 use prefix_router::route::select::{BackendLoad, Policy, RouteInput, select};
 use router_benches::body::chat_body;
 use std::hint::black_box;
@@ -29,6 +32,45 @@ fn extraction(c: &mut Criterion) {
                 ex.extract(Endpoint::Chat, black_box(&body), &mut canon)
                     .expect("valid body");
                 black_box(canon.len())
+            })
+        });
+    }
+    g.finish();
+}
+
+/// What the router does per request: the one-pass scan and the block
+/// hashes of its pieces, against the reference extractor plus hashing.
+fn scan_and_hash(c: &mut Criterion) {
+    let mut g = c.benchmark_group("extract_hash");
+    for (size, name) in SIZES {
+        let body = chat_body(size, 1);
+        let mut canon = Canonical::default();
+        let (mut carry, mut out) = (Vec::new(), Vec::new());
+        g.throughput(Throughput::Bytes(body.len() as u64));
+        g.bench_function(BenchmarkId::new("scan", name), |b| {
+            b.iter(|| {
+                let p = scan(Endpoint::Chat, black_box(&body), &mut canon).expect("valid body");
+                out.clear();
+                block_hashes_pieces(
+                    p.seed,
+                    canon.pieces(&body),
+                    DEFAULT_BLOCK_BYTES,
+                    &mut carry,
+                    &mut out,
+                );
+                black_box(out.len())
+            })
+        });
+        let mut ex = Extractor::default();
+        let mut text = Vec::new();
+        g.bench_function(BenchmarkId::new("reference", name), |b| {
+            b.iter(|| {
+                let p = ex
+                    .extract(Endpoint::Chat, black_box(&body), &mut text)
+                    .expect("valid body");
+                out.clear();
+                block_hashes(p.seed, &text, DEFAULT_BLOCK_BYTES, &mut out);
+                black_box(out.len())
             })
         });
     }
@@ -142,5 +184,12 @@ fn selection(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, extraction, hashing, index, selection);
+criterion_group!(
+    benches,
+    extraction,
+    scan_and_hash,
+    hashing,
+    index,
+    selection
+);
 criterion_main!(benches);

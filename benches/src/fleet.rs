@@ -213,7 +213,7 @@ impl Router {
         args: &[String],
     ) -> anyhow::Result<Router> {
         let urls: Vec<String> = engines.iter().map(Engine::url).collect();
-        Self::start_urls(bins, &urls, policy, args)
+        Self::start_bin(&bins.path("prefix-router"), &urls, policy, args)
     }
 
     /// [`Router::start`] in front of engines given by URL (`http://host:port`).
@@ -223,11 +223,21 @@ impl Router {
         policy: &str,
         args: &[String],
     ) -> anyhow::Result<Router> {
+        Self::start_bin(&bins.path("prefix-router"), urls, policy, args)
+    }
+
+    /// [`Router::start_urls`] with another build of the router (a baseline).
+    pub fn start_bin(
+        bin: &Path,
+        urls: &[String],
+        policy: &str,
+        args: &[String],
+    ) -> anyhow::Result<Router> {
         let port = testkit::proc::free_port();
         let admin_port = testkit::proc::free_port();
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse()?;
-        let mut cmd = Command::new(bins.path("prefix-router"));
+        let mut cmd = Command::new(bin);
         cmd.args(["--listen", &addr.to_string()])
             .args(["--admin-listen", &admin.to_string()])
             .args(["--policy", policy])

@@ -32,6 +32,9 @@ const STREAM_ENGINE: &[&str] = &[
     "--decode-step-per-seq-ms",
     "0",
 ];
+/// A path to another `prefix-router` binary: run it side by side as the
+/// target `baseline` (a build before a change, for a before/after in one run).
+pub const BASELINE_ENV: &str = "PREFIX_BENCH_BASELINE_ROUTER";
 /// Tokens per streamed answer.
 const STREAM_TOKENS: u32 = 16;
 
@@ -149,6 +152,8 @@ struct Target {
 struct Stand {
     engines: Vec<Engine>,
     router: Router,
+    /// Another build of the router, side by side (`BASELINE_ENV`).
+    baseline: Option<Router>,
     nginx: Option<Nginx>,
 }
 
@@ -168,6 +173,15 @@ impl Stand {
             "prefix",
             &["--workers".into(), cfg.workers.to_string()],
         )?;
+        let baseline = match std::env::var_os(BASELINE_ENV) {
+            Some(bin) => Some(Router::start_bin(
+                Path::new(&bin),
+                &engines.iter().map(Engine::url).collect::<Vec<_>>(),
+                "prefix",
+                &["--workers".into(), cfg.workers.to_string()],
+            )?),
+            None => None,
+        };
         let addrs: Vec<SocketAddr> = engines.iter().map(|e| e.addr).collect();
         let (nginx, note) = match nginx {
             NginxMode::Off => (None, Some("nginx disabled (--nginx off)".to_string())),
@@ -181,6 +195,7 @@ impl Stand {
             Stand {
                 engines,
                 router,
+                baseline,
                 nginx,
             },
             note,
@@ -205,6 +220,13 @@ impl Stand {
             addrs: vec![self.router.addr],
             cpu: Some((self.router.child.pid(), false)),
         });
+        if let Some(b) = &self.baseline {
+            t.push(Target {
+                name: "baseline",
+                addrs: vec![b.addr],
+                cpu: Some((b.child.pid(), false)),
+            });
+        }
         t
     }
 }

@@ -8,7 +8,10 @@ use crate::peers::{Peer, PeerRouter, Venv};
 pub use crate::scenarios::{Drive, QualityScenario, kv_blocks_for, scenario_for};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::Duration;
+
+use anyhow::Context;
 use testkit::workload::{Record, RunConfig, Summary};
 
 /// The GPU-like timing model: what `sim-engine` runs at `time_scale` 1.
@@ -141,6 +144,9 @@ impl Front<'_> {
     }
 }
 
+/// A policy name ending so runs on the baseline build (see `run_one`).
+pub const BASELINE_SUFFIX: &str = "@baseline";
+
 /// One row under one router on a fresh fleet.
 #[derive(Clone, Debug)]
 pub struct PolicyRun {
@@ -224,7 +230,21 @@ pub fn run_one(
     let engines = fleet::start_engines(bins, qs.drive.engines, &args)?;
     let model = engine_model(&engines[0])?;
     let router = match front {
-        Front::Policy(p) => Running::Ours(Router::start(bins, &engines, p, &[])?),
+        // `prefix@baseline`: the policy on another build of the router
+        // (`overhead::BASELINE_ENV`), for a before/after in one run.
+        Front::Policy(p) => match p.strip_suffix(BASELINE_SUFFIX) {
+            Some(policy) => {
+                let bin = std::env::var_os(crate::overhead::BASELINE_ENV).with_context(|| {
+                    format!(
+                        "{p} needs {} set to a router binary",
+                        crate::overhead::BASELINE_ENV
+                    )
+                })?;
+                let urls: Vec<String> = engines.iter().map(Engine::url).collect();
+                Running::Ours(Router::start_bin(Path::new(&bin), &urls, policy, &[])?)
+            }
+            None => Running::Ours(Router::start(bins, &engines, p, &[])?),
+        },
         Front::Peer(venv, peer) => Running::Peer(PeerRouter::start(venv, peer, &engines, &model)?),
     };
     let before: Vec<u64> = engines.iter().map(engine_requests).collect();

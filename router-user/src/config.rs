@@ -9,7 +9,9 @@ use anyhow::{Context, bail};
 use serde::Deserialize;
 
 pub mod ebpf;
+pub mod precise;
 
+use crate::http::url::HttpUrl;
 use crate::route::MAX_BACKENDS;
 use crate::route::hash::DEFAULT_BLOCK_BYTES;
 use crate::route::select::{Policy, PrefixParams};
@@ -35,6 +37,8 @@ pub struct Config {
     pub health: Health,
     pub admin: Admin,
     pub log: Log,
+    /// Precise mode: the engines' KV-cache events (`[precise]`, off by default).
+    pub precise: precise::PreciseConfig,
     /// The XDP connection counters (`[ebpf]`).
     pub ebpf: ebpf::EbpfConfig,
     /// Add `x-prefix-router-backend` and `x-prefix-router-matched-blocks` to
@@ -59,6 +63,7 @@ impl Default for Config {
             health: Health::default(),
             admin: Admin::default(),
             log: Log::default(),
+            precise: Default::default(),
             ebpf: ebpf::EbpfConfig::default(),
             debug_headers: false,
         }
@@ -74,6 +79,12 @@ pub enum BackendConfig {
         url: String,
         /// KV-cache capacity in blocks; overrides `prefix.kv_blocks` and the engine's own report.
         kv_blocks: Option<usize>,
+        /// Precise mode: the engine's KV event stream, `tcp://host:port`
+        /// [default: the backend's host and `precise.port`].
+        kv_events: Option<String>,
+        /// Precise mode: its replay socket [default: none when `kv_events`
+        /// is given, else the backend's host and `precise.replay_port`].
+        kv_events_replay: Option<String>,
         /// How its cache is modelled; overrides `prefix.engine`.
         #[serde(default)]
         engine: Option<EngineKind>,
@@ -94,6 +105,18 @@ impl BackendConfig {
         match self {
             BackendConfig::Url(_) => None,
             BackendConfig::Table { kv_blocks, .. } => *kv_blocks,
+        }
+    }
+
+    /// The endpoints of its KV event stream and replay socket, if given.
+    pub fn kv_events(&self) -> (Option<&str>, Option<&str>) {
+        match self {
+            BackendConfig::Url(_) => (None, None),
+            BackendConfig::Table {
+                kv_events,
+                kv_events_replay,
+                ..
+            } => (kv_events.as_deref(), kv_events_replay.as_deref()),
         }
     }
 
@@ -468,22 +491,11 @@ impl Config {
 
 /// Resolves `http://host:port[/]` to a socket address.
 pub fn backend_addr(url: &str) -> anyhow::Result<SocketAddr> {
-    let Some(rest) = url.strip_prefix("http://") else {
-        bail!("backend URL {url:?} must start with http:// (TLS to backends is not supported)");
-    };
-    let hostport = rest.trim_end_matches('/');
-    if hostport.contains('/') {
+    let u = HttpUrl::parse(url).with_context(|| format!("backend {url:?}"))?;
+    if !u.path.is_empty() {
         bail!("backend URL {url:?} must not have a path");
     }
-    let with_port = if hostport
-        .rsplit_once(':')
-        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
-    {
-        hostport.to_owned()
-    } else {
-        format!("{hostport}:80")
-    };
-    with_port
+    u.host_port()
         .to_socket_addrs()
         .with_context(|| format!("resolving backend {url:?}"))?
         .next()

@@ -2,12 +2,19 @@
 //! predicted to answer first: the one holding the prompt's prefix in its KV
 //! cache, weighed against queued work and load, under a safety cap. See
 //! ARCHITECTURE.md for the map of this crate and which folder may use which.
+//!
+//! The public surface is what the binary, the benchmarks, the fuzz targets
+//! and the tests use: `app::run`, the configuration, the HTTP framing, the
+//! routing core and the eBPF loader. The proxy, the shared state and the
+//! rest of the control plane are the crate's own.
 
+pub mod app;
 pub mod config;
 pub mod control;
 pub mod error;
 pub mod http;
-pub mod metrics;
-pub mod proxy;
+pub(crate) mod metrics;
+pub mod precise;
+pub(crate) mod proxy;
 pub mod route;
-pub mod router;
+pub(crate) mod router;

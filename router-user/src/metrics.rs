@@ -1,356 +1,507 @@
-//! Counters the data path bumps (plain atomics and lock-light histograms) and
-//! their Prometheus rendering for the admin listener.
+//! The router's metrics, registered once in one registry. The data path's
+//! own events (routing decisions, re-sends, answers nobody sent) are
+//! families keyed by enums, updated in place. Each backend's facts stay
+//! with their owners (`route::backend`: load, health, stats; the feedback;
+//! the index): a collector reads them at each scrape, so nothing is copied
+//! on the data path and a backend that leaves the fleet leaves the page.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
+use prometheus_client::collector::Collector;
 use prometheus_client::encoding::text::encode;
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeLabelSet, EncodeLabelValue, EncodeMetric, LabelValueEncoder,
+};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use crate::config::Config;
 use crate::error::Resend;
-use crate::route::MAX_BACKENDS;
-use crate::route::backend::Fleet;
+use crate::route::backend::{Backend, Fleet, StatusClass};
 use crate::route::index::PrefixIndex;
 use crate::route::select::Decision;
 
-/// Status classes counted per backend: 2xx, 3xx, 4xx, 5xx, other.
-const CLASSES: [&str; 5] = ["2xx", "3xx", "4xx", "5xx", "other"];
-
-pub struct Metrics {
-    responses: Box<[[AtomicU64; 5]]>,
-    decisions: [AtomicU64; 4],
-    matched_blocks: Histogram,
-    routing_seconds: Histogram,
-    /// Requests sent again, by `Resend` reason.
-    resends: [AtomicU64; 3],
-    /// Requests a backend closed on after reading them whole (502, not re-sent).
-    unanswered: AtomicU64,
-    /// Health probes per backend slot: passed, failed.
-    probes: Box<[[AtomicU64; 2]]>,
-    /// Admin connections refused because `MAX_CONNECTIONS` were open.
-    admin_refused: AtomicU64,
+/// Label values are the enums' own names.
+macro_rules! label_value {
+    ($($t:ty),*) => {$(
+        impl EncodeLabelValue for $t {
+            fn encode(&self, e: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+                std::fmt::Write::write_str(e, self.name())
+            }
+        }
+    )*};
 }
 
-impl Default for Metrics {
-    fn default() -> Self {
-        Metrics {
-            responses: (0..MAX_BACKENDS).map(|_| Default::default()).collect(),
-            decisions: Default::default(),
-            matched_blocks: Histogram::new([
-                0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0,
-            ]),
-            routing_seconds: Histogram::new([5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3]),
-            resends: Default::default(),
-            unanswered: AtomicU64::new(0),
-            probes: (0..MAX_BACKENDS).map(|_| Default::default()).collect(),
-            admin_refused: AtomicU64::new(0),
+/// `Decision` as a label value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct DecisionName(Decision);
+
+impl DecisionName {
+    fn name(self) -> &'static str {
+        match self.0 {
+            Decision::Warm => "warm",
+            Decision::Cold => "cold",
+            Decision::Bounded => "bounded",
+            Decision::Baseline => "baseline",
         }
     }
 }
 
+/// `Resend` as a label value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct ResendName(Resend);
+
+impl ResendName {
+    fn name(self) -> &'static str {
+        self.0.name()
+    }
+}
+
+/// `StatusClass` as a label value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct StatusName(StatusClass);
+
+impl StatusName {
+    fn name(self) -> &'static str {
+        self.0.name()
+    }
+}
+
+label_value!(DecisionName, ResendName, StatusName);
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct DecisionLabels {
+    decision: DecisionName,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ResendLabels {
+    reason: ResendName,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct BackendLabels {
+    backend: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ResponseLabels {
+    backend: String,
+    status: StatusName,
+    policy: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct KindLabels {
+    backend: String,
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ResultLabels {
+    backend: String,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct CounterLabels {
+    backend: String,
+    counter: &'static str,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    decisions: Family<DecisionLabels, Counter>,
+    resends: Family<ResendLabels, Counter>,
+    matched_blocks: Histogram,
+    routing_seconds: Histogram,
+    /// Requests a backend closed on after reading them whole (502, not re-sent).
+    unanswered: Counter,
+    /// Admin connections refused because `MAX_CONNECTIONS` were open.
+    admin_refused: Counter,
+    buffered_body_bytes: Gauge,
+}
+
+/// Where the per-backend collector reads: the shared state's own handles.
+pub struct Sources {
+    pub config: Arc<ArcSwap<Config>>,
+    pub fleet: Arc<ArcSwap<Fleet>>,
+    pub index: Arc<PrefixIndex>,
+}
+
 impl Metrics {
+    /// Registers every family once; the per-backend ones read `sources`.
+    pub fn new(sources: Sources) -> Metrics {
+        let mut registry = Registry::with_prefix("prefix_router");
+        let decisions = Family::default();
+        registry.register(
+            "routing_decisions",
+            "Routing decisions by kind",
+            decisions.clone(),
+        );
+        let resends = Family::default();
+        registry.register(
+            "resends",
+            "Requests sent again because no backend can have processed them, by reason",
+            resends.clone(),
+        );
+        // Every reason and decision shows from the start, at zero.
+        for r in Resend::ALL {
+            drop(resends.get_or_create(&ResendLabels {
+                reason: ResendName(r),
+            }));
+        }
+        for d in [
+            Decision::Warm,
+            Decision::Cold,
+            Decision::Bounded,
+            Decision::Baseline,
+        ] {
+            drop(decisions.get_or_create(&DecisionLabels {
+                decision: DecisionName(d),
+            }));
+        }
+        let matched_blocks =
+            Histogram::new([0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0]);
+        registry.register(
+            "matched_blocks",
+            "Prompt blocks the chosen backend already held",
+            matched_blocks.clone(),
+        );
+        let routing_seconds =
+            Histogram::new([5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3]);
+        registry.register(
+            "routing_seconds",
+            "Router time from the whole request read to the routing decision (extraction, hashing, index, selection)",
+            routing_seconds.clone(),
+        );
+        let unanswered = Counter::default();
+        registry.register(
+            "unanswered",
+            "Requests a backend read whole and closed on without answering: a 502, never sent again",
+            unanswered.clone(),
+        );
+        let admin_refused = Counter::default();
+        registry.register(
+            "admin_connections_refused",
+            "Admin connections answered 503 because the admin listener's connection cap was reached",
+            admin_refused.clone(),
+        );
+        let buffered_body_bytes = Gauge::default();
+        registry.register(
+            "buffered_body_bytes",
+            "Request body bytes buffered now, against limits.max_buffered_body_bytes",
+            buffered_body_bytes.clone(),
+        );
+        registry.register_collector(Box::new(FleetCollector(sources)));
+        Metrics {
+            registry,
+            decisions,
+            resends,
+            matched_blocks,
+            routing_seconds,
+            unanswered,
+            admin_refused,
+            buffered_body_bytes,
+        }
+    }
+
     /// Called once per routed request: what was decided and how long the
     /// router took from the request being read to the decision.
     pub fn observe_routing(&self, decision: Decision, matched_blocks: u32, took: Duration) {
-        let d = match decision {
-            Decision::Warm => 0,
-            Decision::Cold => 1,
-            Decision::Bounded => 2,
-            Decision::Baseline => 3,
-        };
-        self.decisions[d].fetch_add(1, Relaxed);
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                decision: DecisionName(decision),
+            })
+            .inc();
         self.matched_blocks.observe(f64::from(matched_blocks));
         self.routing_seconds.observe(took.as_secs_f64());
     }
 
-    /// A new backend took `slot`: its response counts start at zero.
-    pub fn clear_slot(&self, slot: usize) {
-        for c in self.responses[slot].iter().chain(&self.probes[slot]) {
-            c.store(0, Relaxed);
-        }
-    }
-
-    /// A health probe of the backend in `slot` passed or failed.
-    pub fn observe_probe(&self, slot: usize, passed: bool) {
-        self.probes[slot][usize::from(!passed)].fetch_add(1, Relaxed);
-    }
-
     /// The admin listener refused a connection (too many open).
     pub fn admin_refused(&self) {
-        self.admin_refused.fetch_add(1, Relaxed);
+        self.admin_refused.inc();
     }
 
     pub fn resent(&self, reason: Resend) {
-        self.resends[reason as usize].fetch_add(1, Relaxed);
+        self.resends
+            .get_or_create(&ResendLabels {
+                reason: ResendName(reason),
+            })
+            .inc();
     }
 
     pub fn unanswered(&self) {
-        self.unanswered.fetch_add(1, Relaxed);
-    }
-
-    pub fn observe_response(&self, slot: usize, status: u16) {
-        let class = match status {
-            200..=299 => 0,
-            300..=399 => 1,
-            400..=499 => 2,
-            500..=599 => 3,
-            _ => 4,
-        };
-        self.responses[slot][class].fetch_add(1, Relaxed);
+        self.unanswered.inc();
     }
 
     /// Prometheus text exposition of everything the router knows.
     /// `buffered_body_bytes`: what the proxy buffers now (`budget::in_use`).
-    pub fn render(
-        &self,
-        fleet: &Fleet,
-        index: &PrefixIndex,
-        policy: &str,
-        buffered_body_bytes: usize,
-    ) -> String {
-        let mut reg = Registry::with_prefix("prefix_router");
-        // Counters are rebuilt at each scrape from the data path's atomics.
-        let requests = Family::<Vec<(String, String)>, Counter>::default();
-        let xdp = Family::<Vec<(String, String)>, Counter>::default();
-        let in_flight = Family::<Vec<(String, String)>, Gauge>::default();
-        let healthy = Family::<Vec<(String, String)>, Gauge>::default();
-        let draining = Family::<Vec<(String, String)>, Gauge>::default();
-        let open_conns = Family::<Vec<(String, String)>, Gauge>::default();
-        let external = Family::<Vec<(String, String)>, Gauge>::default();
-        let index_blocks = Family::<Vec<(String, String)>, Gauge>::default();
-        let capacity = Family::<Vec<(String, String)>, Gauge>::default();
-        let learned = Family::<Vec<(String, String)>, Gauge>::default();
-        let rate =
-            Family::<Vec<(String, String)>, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
-        let predicted = Family::<Vec<(String, String)>, Counter>::default();
-        let reported = Family::<Vec<(String, String)>, Counter>::default();
-        let error = Family::<Vec<(String, String)>, Counter>::default();
-        let reports = Family::<Vec<(String, String)>, Counter>::default();
-        let mispredictions = Family::<Vec<(String, String)>, Counter>::default();
-        let probes = Family::<Vec<(String, String)>, Counter>::default();
-        for b in &fleet.backends {
-            let l = vec![("backend".to_owned(), b.url.clone())];
-            for (i, result) in ["passed", "failed"].iter().enumerate() {
-                let mut l = l.clone();
-                l.push(("result".to_owned(), (*result).to_owned()));
-                probes
-                    .get_or_create(&l)
-                    .inc_by(self.probes[b.slot][i].load(Relaxed));
-            }
-            for (i, class) in CLASSES.iter().enumerate() {
-                let v = self.responses[b.slot][i].load(Relaxed);
+    pub fn render(&self, buffered_body_bytes: usize) -> String {
+        self.buffered_body_bytes
+            .set(i64::try_from(buffered_body_bytes).unwrap_or(i64::MAX));
+        let mut out = String::new();
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// Reads each backend's facts from their owners at scrape time.
+struct FleetCollector(Sources);
+
+impl std::fmt::Debug for FleetCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FleetCollector")
+    }
+}
+
+/// One per-backend family: a name, its help, its type, and how to write
+/// each backend's samples.
+type PerBackend = (
+    &'static str,
+    &'static str,
+    MetricType,
+    fn(
+        &Backend,
+        &PrefixIndex,
+        &str,
+        &mut dyn FnMut(Sample) -> std::fmt::Result,
+    ) -> std::fmt::Result,
+);
+
+/// One sample of a per-backend family.
+enum Sample {
+    Gauge(BackendLabels, i64),
+    Rate(BackendLabels, f64),
+    Counter(BackendLabels, u64),
+    Response(ResponseLabels, u64),
+    Kind(KindLabels, u64),
+    Result(ResultLabels, u64),
+    Xdp(CounterLabels, u64),
+}
+
+const PER_BACKEND: &[PerBackend] = &[
+    (
+        "responses",
+        "Responses relayed, by backend, status class and policy",
+        MetricType::Counter,
+        |b, _, policy, out| {
+            for class in StatusClass::ALL {
+                let v = b.stats.responses(class);
                 if v > 0 {
-                    let mut l = l.clone();
-                    l.push(("status".to_owned(), (*class).to_owned()));
-                    l.push(("policy".to_owned(), policy.to_owned()));
-                    requests.get_or_create(&l).inc_by(v);
+                    let l = ResponseLabels {
+                        backend: b.url.clone(),
+                        status: StatusName(class),
+                        policy: policy.to_owned(),
+                    };
+                    out(Sample::Response(l, v))?;
                 }
             }
-            let (load, health) = (&b.load, &b.health);
-            in_flight.get_or_create(&l).set(i64::from(load.in_flight()));
-            healthy
-                .get_or_create(&l)
-                .set(i64::from(health.is_healthy()));
-            draining
-                .get_or_create(&l)
-                .set(i64::from(health.is_draining()));
-            open_conns
-                .get_or_create(&l)
-                .set(i64::from(load.open_conns()));
-            external
-                .get_or_create(&l)
-                .set(i64::from(load.external_conns()));
-            index_blocks.get_or_create(&l).set(index.len(b.slot) as i64);
-            capacity
-                .get_or_create(&l)
-                .set(index.capacity(b.slot) as i64);
-            let f = &b.feedback;
-            learned.get_or_create(&l).set(f.capacity() as i64);
-            rate.get_or_create(&l).set(f.prefill_rate());
-            predicted
-                .get_or_create(&l)
-                .inc_by(f.predicted_blocks.load(Relaxed));
-            reported
-                .get_or_create(&l)
-                .inc_by(f.reported_blocks.load(Relaxed));
-            error.get_or_create(&l).inc_by(f.error_blocks.load(Relaxed));
-            reports.get_or_create(&l).inc_by(f.reports.load(Relaxed));
-            for (kind, v) in [
-                ("over", &f.over_predictions),
-                ("under", &f.under_predictions),
-                ("flush", &f.flushes),
-            ] {
-                let mut l = l.clone();
-                l.push(("kind".to_owned(), kind.to_owned()));
-                mispredictions.get_or_create(&l).inc_by(v.load(Relaxed));
-            }
+            Ok(())
+        },
+    ),
+    (
+        "xdp",
+        "XDP counters per backend: connections opened (SYN-ACK), closed (FIN), reset (RST), packets and bytes it sent",
+        MetricType::Counter,
+        |b, _, _, out| {
             let x = b.stats.xdp();
-            for (what, v) in [
+            for (counter, v) in [
                 ("opened", x.opened),
                 ("closed", x.closed),
                 ("reset", x.reset),
                 ("packets", x.packets),
                 ("bytes", x.bytes),
             ] {
-                let mut l = l.clone();
-                l.push(("counter".to_owned(), what.to_owned()));
-                xdp.get_or_create(&l).inc_by(v);
+                let l = CounterLabels {
+                    backend: b.url.clone(),
+                    counter,
+                };
+                out(Sample::Xdp(l, v))?;
+            }
+            Ok(())
+        },
+    ),
+    (
+        "health_probes",
+        "Active health probes per backend, passed or failed (refused, timed out at health.timeout_ms, not 2xx, or badly framed)",
+        MetricType::Counter,
+        |b, _, _, out| {
+            let (passed, failed) = b.stats.probes();
+            for (result, v) in [("passed", passed), ("failed", failed)] {
+                let l = ResultLabels {
+                    backend: b.url.clone(),
+                    result,
+                };
+                out(Sample::Result(l, v))?;
+            }
+            Ok(())
+        },
+    ),
+    (
+        "backend_in_flight",
+        "Requests in flight per backend",
+        MetricType::Gauge,
+        |b, _, _, out| out(Sample::Gauge(label(b), i64::from(b.load.in_flight()))),
+    ),
+    (
+        "backend_healthy",
+        "1 when the backend passes health checks",
+        MetricType::Gauge,
+        |b, _, _, out| out(Sample::Gauge(label(b), i64::from(b.health.is_healthy()))),
+    ),
+    (
+        "backend_draining",
+        "1 when the backend is drained by an operator",
+        MetricType::Gauge,
+        |b, _, _, out| out(Sample::Gauge(label(b), i64::from(b.health.is_draining()))),
+    ),
+    (
+        "backend_open_connections",
+        "This router's connections to the backend",
+        MetricType::Gauge,
+        |b, _, _, out| out(Sample::Gauge(label(b), i64::from(b.load.open_conns()))),
+    ),
+    (
+        "backend_external_connections",
+        "Connections to the backend seen by XDP beyond this router's",
+        MetricType::Gauge,
+        |b, _, _, out| out(Sample::Gauge(label(b), i64::from(b.load.external_conns()))),
+    ),
+    (
+        "index_blocks",
+        "Prefix blocks tracked per backend",
+        MetricType::Gauge,
+        |b, index, _, out| out(Sample::Gauge(label(b), count(index.len(b.slot)))),
+    ),
+    (
+        "index_capacity_blocks",
+        "Blocks the index remembers per backend: its KV capacity as configured or published, else prefix.kv_blocks",
+        MetricType::Gauge,
+        |b, index, _, out| out(Sample::Gauge(label(b), count(index.capacity(b.slot)))),
+    ),
+    (
+        "learned_capacity_blocks",
+        "KV capacity per backend in the router's blocks, learned from the cached tokens its answers report (starts at the published or configured capacity)",
+        MetricType::Gauge,
+        |b, _, _, out| out(Sample::Gauge(label(b), count(b.feedback.capacity()))),
+    ),
+    (
+        "prefill_rate_blocks_per_second",
+        "Prefill rate per backend learned from observed times to first token",
+        MetricType::Gauge,
+        |b, _, _, out| out(Sample::Rate(label(b), b.feedback.prefill_rate())),
+    ),
+    (
+        "predicted_cached_blocks",
+        "Prompt blocks the index predicted the backend held, over answers that reported cached tokens",
+        MetricType::Counter,
+        |b, _, _, out| out(Sample::Counter(label(b), b.feedback.predicted_blocks())),
+    ),
+    (
+        "reported_cached_blocks",
+        "Prompt blocks the backend reported cached (usage.prompt_tokens_details.cached_tokens, in the router's blocks)",
+        MetricType::Counter,
+        |b, _, _, out| out(Sample::Counter(label(b), b.feedback.reported_blocks())),
+    ),
+    (
+        "prediction_error_blocks",
+        "Sum of |predicted - reported| cached blocks per backend",
+        MetricType::Counter,
+        |b, _, _, out| out(Sample::Counter(label(b), b.feedback.error_blocks())),
+    ),
+    (
+        "prediction_reports",
+        "Answers whose reported cached tokens were compared with the prediction",
+        MetricType::Counter,
+        |b, _, _, out| out(Sample::Counter(label(b), b.feedback.reports())),
+    ),
+    (
+        "mispredictions",
+        "Answers that held fewer (over) or more (under) blocks than predicted, and detected cache flushes",
+        MetricType::Counter,
+        |b, _, _, out| {
+            let f = &b.feedback;
+            for (kind, v) in [
+                ("over", f.over_predictions()),
+                ("under", f.under_predictions()),
+                ("flush", f.flushes()),
+            ] {
+                let l = KindLabels {
+                    backend: b.url.clone(),
+                    kind,
+                };
+                out(Sample::Kind(l, v))?;
+            }
+            Ok(())
+        },
+    ),
+];
+
+fn label(b: &Backend) -> BackendLabels {
+    BackendLabels {
+        backend: b.url.clone(),
+    }
+}
+
+fn count(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+impl Collector for FleetCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Sources {
+            config,
+            fleet,
+            index,
+        } = &self.0;
+        let policy = config.load().policy.name();
+        let fleet = fleet.load();
+        for (name, help, kind, samples) in PER_BACKEND {
+            // The registry ends registered help with a period; so do these.
+            let help = format!("{help}.");
+            let mut family = encoder.encode_descriptor(name, &help, None, *kind)?;
+            for b in &fleet.backends {
+                samples(b, index, policy, &mut |s| match s {
+                    Sample::Gauge(l, v) => ConstGauge::new(v).encode(family.encode_family(&l)?),
+                    Sample::Rate(l, v) => ConstGauge::new(v).encode(family.encode_family(&l)?),
+                    Sample::Counter(l, v) => ConstCounter::new(v).encode(family.encode_family(&l)?),
+                    Sample::Response(l, v) => {
+                        ConstCounter::new(v).encode(family.encode_family(&l)?)
+                    }
+                    Sample::Kind(l, v) => ConstCounter::new(v).encode(family.encode_family(&l)?),
+                    Sample::Result(l, v) => ConstCounter::new(v).encode(family.encode_family(&l)?),
+                    Sample::Xdp(l, v) => ConstCounter::new(v).encode(family.encode_family(&l)?),
+                })?;
             }
         }
-        reg.register(
-            "responses",
-            "Responses relayed, by backend, status class and policy",
-            requests,
-        );
-        reg.register(
-            "xdp",
-            "XDP counters per backend: connections opened (SYN-ACK), closed (FIN), reset (RST), packets and bytes it sent",
-            xdp,
-        );
-        reg.register(
-            "health_probes",
-            "Active health probes per backend, passed or failed (refused, timed out at health.timeout_ms, not 2xx, or badly framed)",
-            probes,
-        );
-        let admin_refused = Counter::<u64>::default();
-        admin_refused.inc_by(self.admin_refused.load(Relaxed));
-        reg.register(
-            "admin_connections_refused",
-            "Admin connections answered 503 because the admin listener's connection cap was reached",
-            admin_refused,
-        );
-        reg.register(
-            "backend_in_flight",
-            "Requests in flight per backend",
-            in_flight,
-        );
-        reg.register(
-            "backend_healthy",
-            "1 when the backend passes health checks",
-            healthy,
-        );
-        reg.register(
-            "backend_draining",
-            "1 when the backend is drained by an operator",
-            draining,
-        );
-        reg.register(
-            "backend_open_connections",
-            "This router's connections to the backend",
-            open_conns,
-        );
-        reg.register(
-            "backend_external_connections",
-            "Connections to the backend seen by XDP beyond this router's",
-            external,
-        );
-        reg.register(
-            "index_blocks",
-            "Prefix blocks tracked per backend",
-            index_blocks,
-        );
-        reg.register(
-            "index_capacity_blocks",
-            "Blocks the index remembers per backend: its KV capacity as configured or published, else prefix.kv_blocks",
-            capacity,
-        );
-        reg.register(
-            "learned_capacity_blocks",
-            "KV capacity per backend in the router's blocks, learned from the cached tokens its answers report (starts at the published or configured capacity)",
-            learned,
-        );
-        reg.register(
-            "prefill_rate_blocks_per_second",
-            "Prefill rate per backend learned from observed times to first token",
-            rate,
-        );
-        reg.register(
-            "predicted_cached_blocks",
-            "Prompt blocks the index predicted the backend held, over answers that reported cached tokens",
-            predicted,
-        );
-        reg.register(
-            "reported_cached_blocks",
-            "Prompt blocks the backend reported cached (usage.prompt_tokens_details.cached_tokens, in the router's blocks)",
-            reported,
-        );
-        reg.register(
-            "prediction_error_blocks",
-            "Sum of |predicted - reported| cached blocks per backend",
-            error,
-        );
-        reg.register(
-            "prediction_reports",
-            "Answers whose reported cached tokens were compared with the prediction",
-            reports,
-        );
-        reg.register(
-            "mispredictions",
-            "Answers that held fewer (over) or more (under) blocks than predicted, and detected cache flushes",
-            mispredictions,
-        );
-        let decisions = Family::<Vec<(String, String)>, Counter>::default();
-        for (i, name) in ["warm", "cold", "bounded", "baseline"].iter().enumerate() {
-            decisions
-                .get_or_create(&vec![("decision".to_owned(), (*name).to_owned())])
-                .inc_by(self.decisions[i].load(Relaxed));
+        for (name, help, kind, v) in [
+            (
+                "index_evictions",
+                "Blocks the index forgot to stay within capacity",
+                MetricType::Counter,
+                index.evictions(),
+            ),
+            (
+                "index_tracked_blocks",
+                "Blocks tracked over all backends",
+                MetricType::Gauge,
+                index.total_tracked() as u64,
+            ),
+        ] {
+            let help = format!("{help}.");
+            let m = encoder.encode_descriptor(name, &help, None, kind)?;
+            match kind {
+                MetricType::Counter => ConstCounter::new(v).encode(m)?,
+                _ => ConstGauge::new(i64::try_from(v).unwrap_or(i64::MAX)).encode(m)?,
+            }
         }
-        reg.register("routing_decisions", "Routing decisions by kind", decisions);
-        let evictions = Counter::<u64>::default();
-        evictions.inc_by(index.evictions());
-        reg.register(
-            "index_evictions",
-            "Blocks the index forgot to stay within capacity",
-            evictions,
-        );
-        let tracked = Gauge::<i64>::default();
-        tracked.set(index.total_tracked() as i64);
-        reg.register(
-            "index_tracked_blocks",
-            "Blocks tracked over all backends",
-            tracked,
-        );
-        reg.register(
-            "matched_blocks",
-            "Prompt blocks the chosen backend already held",
-            self.matched_blocks.clone(),
-        );
-        reg.register(
-            "routing_seconds",
-            "Router time from the whole request read to the routing decision (extraction, hashing, index, selection)",
-            self.routing_seconds.clone(),
-        );
-        let resends = Family::<Vec<(String, String)>, Counter>::default();
-        for r in Resend::ALL {
-            resends
-                .get_or_create(&vec![("reason".to_owned(), r.name().to_owned())])
-                .inc_by(self.resends[r as usize].load(Relaxed));
-        }
-        reg.register(
-            "resends",
-            "Requests sent again because no backend can have processed them, by reason",
-            resends,
-        );
-        let buffered = Gauge::<i64>::default();
-        buffered.set(buffered_body_bytes as i64);
-        reg.register(
-            "buffered_body_bytes",
-            "Request body bytes buffered now, against limits.max_buffered_body_bytes",
-            buffered,
-        );
-        let unanswered = Counter::<u64>::default();
-        unanswered.inc_by(self.unanswered.load(Relaxed));
-        reg.register(
-            "unanswered",
-            "Requests a backend read whole and closed on without answering: a 502, never sent again",
-            unanswered,
-        );
-        let mut out = String::new();
-        let _ = encode(&mut out, &reg);
-        out
+        Ok(())
     }
 }

@@ -11,25 +11,33 @@ use tracing::{info, warn};
 
 use crate::config::{Config, backend_addr};
 use crate::error::RouterError;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Sources};
+use crate::precise::Precise;
+use crate::precise::subscriber::Subscriber;
 use crate::route::MAX_BACKENDS;
 use crate::route::backend::{Backend, Fleet};
-use crate::route::extract::{Endpoint, Extractor};
+use crate::route::extract::Endpoint;
 use crate::route::feedback::{Correction, Usage};
-use crate::route::hash::{block_hashes, cold_key};
+use crate::route::hash::{block_hashes_pieces, cold_key};
 use crate::route::index::{Matches, PrefixIndex};
+use crate::route::scan::{Canonical, scan};
 use crate::route::select::{self, BackendLoad, Choice, Policy, RouteInput};
 
 pub struct Router {
-    pub config: ArcSwap<Config>,
-    pub fleet: ArcSwap<Fleet>,
-    pub index: PrefixIndex,
+    pub config: Arc<ArcSwap<Config>>,
+    pub fleet: Arc<ArcSwap<Fleet>>,
+    pub index: Arc<PrefixIndex>,
     pub metrics: Metrics,
     /// Round-robin counter and random stream.
     ticket: AtomicU64,
     pub client_conns: AtomicUsize,
     pub retry_budget: RetryBudget,
     shutting_down: AtomicBool,
+    /// Precise mode (`[precise] enabled`, read at start): the engines' own
+    /// account of their caches and each backend's confidence in it.
+    pub precise: Option<Arc<Precise>>,
+    /// The event subscriptions, by slot.
+    subscribers: std::sync::Mutex<Vec<Option<Subscriber>>>,
 }
 
 /// Retries across all requests are capped at `retry.budget_percent` of
@@ -74,24 +82,36 @@ impl RetryBudget {
 /// Scratch space for the synchronous routing step, reused by a worker.
 #[derive(Default)]
 pub struct RouteScratch {
-    extractor: Extractor,
-    /// The canonical prompt of the last routed request.
+    /// The last routed request's canonical prompt, as pieces of its body.
+    canon: Canonical,
+    /// Its partial last block (the whole prompt when it is shorter than a
+    /// block: what a cold key of a short prompt hashes).
+    carry: Vec<u8>,
+    /// Precise mode: the canonical prompt written out, for the tokenizer.
     canonical: Vec<u8>,
     loads: Vec<BackendLoad>,
     matches: Vec<u32>,
     /// The last routed request's cold key (for [`Router::scores`]).
     cold_key: u64,
+    /// Precise mode: the request's engine tokens and their rendered text,
+    /// and the extra keys of its first block (its cache salt).
+    tokens: Vec<u32>,
+    text: Vec<u8>,
+    first_extra: Vec<Vec<u8>>,
+    /// Precise mode: the backends (bits by slot) the last request was
+    /// matched on the precise index for (the others: the approximate one).
+    pub precise_mask: u64,
 }
 
 impl RouteScratch {
     /// Bytes of the last routed request's canonical prompt.
     pub fn canonical_len(&self) -> usize {
-        self.canonical.len()
+        self.canon.len()
     }
 
     /// Gives back parse buffers over `keep` bytes (a rare huge body).
     pub fn shrink(&mut self, keep: usize) {
-        self.extractor = Extractor::default();
+        self.canon.shrink(keep);
         if self.canonical.capacity() > keep {
             self.canonical = Vec::new();
         }
@@ -111,6 +131,8 @@ pub struct PromptBlocks {
     /// The slot a slot engine was predicted to give the request being sent
     /// (the `InFlight` guard holds it until the attempt ends).
     pub slot: Option<usize>,
+    /// Precise mode: the keys of the prompt's engine blocks.
+    pub keys: Vec<u64>,
 }
 
 /// What routing decided for one request.
@@ -149,16 +171,68 @@ impl Router {
             backends.push(Arc::new(backend));
             index.set_capacity(slot, kv);
         }
-        Ok(Arc::new(Router {
-            config: ArcSwap::from_pointee(config),
-            fleet: ArcSwap::from_pointee(Fleet { backends }),
+        let index = Arc::new(index);
+        let precise = config.precise.enabled.then(|| {
+            Arc::new(Precise::new(
+                total,
+                config.precise.settings(),
+                index.clone(),
+            ))
+        });
+        let config = Arc::new(ArcSwap::from_pointee(config));
+        let fleet = Arc::new(ArcSwap::from_pointee(Fleet { backends }));
+        let metrics = Metrics::new(Sources {
+            config: config.clone(),
+            fleet: fleet.clone(),
+            index: index.clone(),
+        });
+        let router = Arc::new(Router {
+            precise,
+            subscribers: std::sync::Mutex::new(Vec::new()),
+            config,
+            fleet,
             index,
-            metrics: Metrics::default(),
+            metrics,
             ticket: AtomicU64::new(0),
             client_conns: AtomicUsize::new(0),
             retry_budget: RetryBudget::new(budget_percent),
             shutting_down: AtomicBool::new(false),
-        }))
+        });
+        router.sync_subscribers();
+        Ok(router)
+    }
+
+    /// Precise mode: one subscription per backend of the fleet, to the
+    /// endpoints the config gives it; a slot whose backend or endpoints
+    /// changed (a reload) starts over, forgotten and DEGRADED.
+    pub fn sync_subscribers(&self) {
+        let Some(p) = &self.precise else {
+            return;
+        };
+        let cfg = self.config.load();
+        let fleet = self.fleet.load();
+        let mut subs = self.subscribers.lock().unwrap_or_else(|e| e.into_inner());
+        subs.resize_with(MAX_BACKENDS, || None);
+        for (slot, sub) in subs.iter_mut().enumerate() {
+            let want = fleet.by_slot(slot).and_then(|b| {
+                let bc = cfg.backends.iter().find(|c| c.url() == b.url)?;
+                Some(cfg.precise.endpoints(bc))
+            });
+            if sub.as_ref().map(|s| &s.endpoints) == want.as_ref() {
+                continue;
+            }
+            // Joins the old thread, so nothing it applies outlives this.
+            *sub = None;
+            p.forget(slot);
+            p.confidence[slot].reset();
+            if let Some(ep) = want {
+                info!(slot, live = %ep.live, replay = ?ep.replay, "KV events: subscribing");
+                match Subscriber::spawn(p.clone(), slot, ep) {
+                    Ok(s) => *sub = Some(s),
+                    Err(e) => tracing::warn!(slot, error = %e, "KV events: no subscriber thread"),
+                }
+            }
+        }
     }
 
     /// Routes one request: extracts its prompt (400 when the body is not
@@ -171,13 +245,12 @@ impl Router {
     ) -> Result<Routed, RouterError> {
         let (seed, user, has_prompt) = match query.endpoint {
             Some(ep) => {
-                let p = scratch
-                    .extractor
-                    .extract(ep, query.body, &mut scratch.canonical)?;
+                let p = scan(ep, query.body, &mut scratch.canon)?;
                 (p.seed, p.user, true)
             }
             None => {
-                scratch.canonical.clear();
+                scratch.canon.clear();
+                scratch.carry.clear();
                 (0, None, false)
             }
         };
@@ -187,12 +260,33 @@ impl Router {
         let fleet = self.fleet.load_full();
         hashes.clear();
         if has_prompt {
-            block_hashes(seed, &scratch.canonical, cfg.prefix.block_bytes, hashes);
+            block_hashes_pieces(
+                seed,
+                scratch.canon.pieces(query.body),
+                cfg.prefix.block_bytes,
+                &mut scratch.carry,
+                hashes,
+            );
+            if self.precise.is_some() {
+                scratch.canon.write_to(query.body, &mut scratch.canonical);
+            }
         }
         let mut matches: Matches = [0; MAX_BACKENDS];
         if cfg.policy == Policy::Prefix && !hashes.is_empty() {
             self.index
                 .longest_matches_noting(hashes, fleet.slot_mask(), &mut matches, found);
+        }
+        scratch.precise_mask = 0;
+        blocks.keys.clear();
+        if let (Some(_), Some(ep), Policy::Prefix) = (&self.precise, query.endpoint, cfg.policy) {
+            self.precise_matches(
+                ep,
+                &fleet,
+                scratch,
+                &mut blocks.keys,
+                hashes.len(),
+                &mut matches,
+            );
         }
         scratch.loads.clear();
         scratch.matches.clear();
@@ -201,6 +295,14 @@ impl Router {
         for b in &fleet.backends {
             let mut load = b.view(cfg.limits.max_in_flight_per_backend);
             load.cached_blocks = u32::try_from(self.index.tracked(b.slot)).unwrap_or(u32::MAX);
+            if let Some(p) = self
+                .precise
+                .as_ref()
+                .filter(|_| scratch.precise_mask & (1 << b.slot) != 0)
+            {
+                // What its engine says it holds, traffic from elsewhere included.
+                load.cached_blocks = u32::try_from(p.index.held_blocks(b.slot)).unwrap_or(u32::MAX);
+            }
             let mut m = matches[b.slot];
             if b.slots.is_slot_engine() && cfg.policy == Policy::Prefix {
                 // A slot engine: what the slot it would take holds.
@@ -219,7 +321,8 @@ impl Router {
             scratch.matches.push(m);
         }
         same_hardware_same_rate(&mut scratch.loads);
-        scratch.cold_key = cold_key(seed, &scratch.canonical, hashes, cfg.prefix.cold_key_blocks);
+        // Without a full block, the carry is the whole canonical prompt.
+        scratch.cold_key = cold_key(seed, &scratch.carry, hashes, cfg.prefix.cold_key_blocks);
         let input = RouteInput {
             matches: &scratch.matches,
             blocks: hashes.len() as u32,
@@ -235,6 +338,66 @@ impl Router {
         // Candidates are positions in `fleet.backends`.
         let choice = select::select(policy, &input, &scratch.loads, &cfg.prefix.params());
         Ok(Routed { choice, fleet })
+    }
+
+    /// Precise mode: replaces, for every EXACT backend, its approximate
+    /// match by what its engine's events say it holds, in the approximate
+    /// index's units (a share of the prompt's `approx_blocks`), so selection
+    /// weighs both alike. (The longer of the two was tried: no clear gain,
+    /// see "Precise mode" in ARCHITECTURE.md.)
+    fn precise_matches(
+        &self,
+        ep: Endpoint,
+        fleet: &Fleet,
+        scratch: &mut RouteScratch,
+        keys: &mut Vec<u64>,
+        approx_blocks: usize,
+        matches: &mut Matches,
+    ) {
+        let Some(p) = &self.precise else {
+            return;
+        };
+        crate::precise::keys::engine_tokens(
+            ep,
+            &scratch.canonical,
+            scratch.canon.token_ids(),
+            &mut scratch.text,
+            &mut scratch.tokens,
+        );
+        scratch.first_extra.clear();
+        let salt = scratch.canon.salt();
+        if !salt.is_empty() {
+            scratch.first_extra.push(salt.to_vec());
+        }
+        crate::precise::keys::request_keys(
+            crate::precise::keys::chain_seed(None),
+            &scratch.tokens,
+            p.settings.block_tokens,
+            &scratch.first_extra,
+            keys,
+        );
+        let now = p.now_ms();
+        let mut exact = 0u64;
+        for b in &fleet.backends {
+            if p.exact(b.slot, now) {
+                exact |= 1 << b.slot;
+            }
+        }
+        scratch.precise_mask = exact;
+        if exact == 0 {
+            return;
+        }
+        let mut pm: Matches = [0; MAX_BACKENDS];
+        if !keys.is_empty() {
+            p.matches(keys, exact, now, &mut pm);
+        }
+        for slot in crate::route::index::bits(exact) {
+            matches[slot] = if keys.is_empty() {
+                0
+            } else {
+                ((u64::from(pm[slot]) * approx_blocks as u64) / keys.len() as u64) as u32
+            };
+        }
     }
 
     /// Every eligible backend's predicted TTFT for the request last routed
@@ -287,6 +450,11 @@ impl Router {
     pub fn learn(&self, backend: &Backend, blocks: &mut PromptBlocks, matched: u32) {
         blocks.ages.clear();
         blocks.slot = None;
+        if let Some(p) = &self.precise
+            && !blocks.keys.is_empty()
+        {
+            p.guard(backend.slot, &blocks.keys, p.now_ms());
+        }
         if blocks.hashes.is_empty() || self.config.load().policy != Policy::Prefix {
             return;
         }

@@ -12,17 +12,29 @@ const MAY_USE: &[(&str, &[&str])] = &[
     ("error", &[]),
     ("http", &["error"]),
     ("route", &["error"]),
-    ("config", &["error", "http", "route"]),
-    ("metrics", &["error", "route"]),
-    ("router", &["error", "config", "route", "metrics"]),
+    ("precise", &["error", "route"]),
+    ("config", &["error", "http", "route", "precise"]),
+    ("metrics", &["error", "config", "route"]),
+    (
+        "router",
+        &["error", "config", "route", "precise", "metrics"],
+    ),
     (
         "proxy",
-        &["error", "http", "config", "route", "metrics", "router"],
+        &[
+            "error", "http", "config", "route", "precise", "metrics", "router",
+        ],
     ),
     (
         "control",
         &[
-            "error", "http", "config", "route", "metrics", "router", "proxy",
+            "error", "http", "config", "route", "precise", "metrics", "router", "proxy",
+        ],
+    ),
+    (
+        "app",
+        &[
+            "error", "http", "config", "route", "precise", "metrics", "router", "proxy", "control",
         ],
     ),
 ];

@@ -193,8 +193,7 @@ fn metrics_headers_and_json_logs() {
         &json!({"messages": "not a list"}),
     )
     .unwrap();
-    let m = r.metrics();
-    for name in [
+    let names = [
         "prefix_router_responses_total{",
         "prefix_router_routing_decisions_total{decision=\"cold\"} 1",
         "prefix_router_matched_blocks_bucket",
@@ -203,7 +202,18 @@ fn metrics_headers_and_json_logs() {
         "prefix_router_backend_healthy{",
         "prefix_router_index_blocks{",
         "prefix_router_index_evictions_total",
-    ] {
+    ];
+    // A response is counted once relayed whole: the client may read it a
+    // moment before the router's bookkeeping after the last write.
+    let mut m = r.metrics();
+    for _ in 0..40 {
+        if names.iter().all(|n| m.contains(n)) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        m = r.metrics();
+    }
+    for name in names {
         assert!(m.contains(name), "no {name} in /metrics:\n{m}");
     }
     let logs = r.child.stderr_tail(8192);

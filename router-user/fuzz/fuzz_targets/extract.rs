@@ -1,10 +1,12 @@
-//! The prompt extractor on arbitrary bodies for every endpoint: it never
-//! panics, and an accepted body extracts the same way twice (the scratch
-//! buffers it reuses carry nothing over).
+//! The prompt extractor and the one-pass scanner on arbitrary bodies for
+//! every endpoint: neither panics, an accepted body extracts the same way
+//! twice (the scratch buffers reused carry nothing over), and a body both
+//! accept reads the same (seed, user, canonical prompt) in both.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use prefix_router::route::extract::{Endpoint, Extractor};
+use prefix_router::route::scan::{Canonical, scan};
 
 fuzz_target!(|data: &[u8]| {
     let mut ex = Extractor::default();
@@ -20,6 +22,12 @@ fuzz_target!(|data: &[u8]| {
             }
             (Err(a), Err(b)) => assert_eq!(a.status(), b.status()),
             (a, b) => panic!("extraction is not deterministic: {a:?} vs {b:?}"),
+        }
+        let mut canon = Canonical::default();
+        if let (Ok(reference), Ok(scanned)) = (ex.extract(ep, data, &mut first), scan(ep, data, &mut canon)) {
+            assert_eq!(reference, scanned);
+            canon.write_to(data, &mut second);
+            assert_eq!(first, second, "the scanner's canonical prompt differs");
         }
     }
 });

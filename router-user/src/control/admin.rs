@@ -9,7 +9,6 @@ mod serve;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
 
 use serde_json::json;
 use tracing::info;
@@ -66,13 +65,10 @@ fn handle(router: &Router, req: &Request, reload: &Reloader) -> Reply {
     match (req.method, req.path) {
         ("GET", "/health") => Reply::text(200, "ok\n"),
         ("GET", "/metrics") => {
-            let cfg = router.config.load();
-            let text = router.metrics.render(
-                &router.fleet.load(),
-                &router.index,
-                cfg.policy.name(),
-                crate::proxy::budget::in_use(),
-            );
+            let mut text = router.metrics.render(crate::proxy::budget::in_use());
+            if let Some(p) = &router.precise {
+                crate::precise::metrics::append(&mut text, p, &router.fleet.load());
+            }
             Reply {
                 status: 200,
                 content_type: "text/plain; version=0.0.4",
@@ -141,19 +137,23 @@ fn backends_json(router: &Router) -> serde_json::Value {
                 "engine": if b.slots.is_slot_engine() { "slots" } else { "blocks" },
                 "slots": b.slots.count(),
                 "learned_capacity_blocks": b.feedback.capacity(),
-                "capacity_known": b.feedback.known_capacity.load(Relaxed) > 0,
+                "capacity_known": b.feedback.capacity_known(),
                 "prefill_blocks_per_s": b.feedback.prefill_rate(),
                 "prediction": {
-                    "reports": b.feedback.reports.load(Relaxed),
-                    "predicted_blocks": b.feedback.predicted_blocks.load(Relaxed),
-                    "reported_blocks": b.feedback.reported_blocks.load(Relaxed),
-                    "error_blocks": b.feedback.error_blocks.load(Relaxed),
-                    "over": b.feedback.over_predictions.load(Relaxed),
-                    "under": b.feedback.under_predictions.load(Relaxed),
-                    "flushes": b.feedback.flushes.load(Relaxed),
+                    "reports": b.feedback.reports(),
+                    "predicted_blocks": b.feedback.predicted_blocks(),
+                    "reported_blocks": b.feedback.reported_blocks(),
+                    "error_blocks": b.feedback.error_blocks(),
+                    "over": b.feedback.over_predictions(),
+                    "under": b.feedback.under_predictions(),
+                    "flushes": b.feedback.flushes(),
                 },
                 "requests": stats.requests(),
                 "errors": stats.errors(),
+                "precise": router
+                    .precise
+                    .as_ref()
+                    .map(|p| crate::precise::metrics::backend_json(p, b.slot)),
             })
         })
         .collect();
@@ -205,6 +205,11 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
         json!({
             "canonical_bytes": scratch.canonical_len(),
             "blocks": blocks.hashes.len(),
+            "precise_blocks": router.precise.as_ref().map(|_| blocks.keys.len()),
+            "matched_on": fleet.backends.iter().map(|b| {
+                let precise = scratch.precise_mask & (1 << b.slot) != 0;
+                json!({ "url": b.url, "index": if precise { "precise" } else { "approximate" } })
+            }).collect::<Vec<_>>(),
             "decision": routed.choice.decision,
             "matched_blocks": routed.choice.matched_blocks,
             "chosen": candidates.first(),

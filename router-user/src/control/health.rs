@@ -89,12 +89,6 @@ fn run_prober(router: &Router, b: &Arc<Backend>) {
     }
 }
 
-/// One probe of one backend, and the state change it causes.
-pub fn probe_once(router: &Router, b: &Backend) {
-    let result = probe(router, b);
-    apply(router, b, result);
-}
-
 /// `GET health.path`; `Ok` on a 2xx answer within `health.timeout_ms`.
 fn probe(router: &Router, b: &Backend) -> Result<(), String> {
     let cfg = router.config.load();
@@ -107,7 +101,7 @@ fn probe(router: &Router, b: &Backend) -> Result<(), String> {
 }
 
 fn apply(router: &Router, b: &Backend, result: Result<(), String>) {
-    router.metrics.observe_probe(b.slot, result.is_ok());
+    b.stats.probed(result.is_ok());
     let cfg = router.config.load();
     let h = &cfg.health;
     let flip = b.health.observe_probe(result.is_ok(), h.rise, h.fall);

@@ -1,9 +1,9 @@
 //! The control plane, beside the traffic: health probes, the XDP load view,
 //! configuration reloads, the admin listener, logging.
 
-pub mod admin;
+pub(crate) mod admin;
 pub mod ebpf;
-pub mod health;
-pub mod loadview;
-pub mod logging;
-pub mod reload;
+pub(crate) mod health;
+pub(crate) mod loadview;
+pub(crate) mod logging;
+pub(crate) mod reload;

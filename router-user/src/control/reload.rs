@@ -48,7 +48,6 @@ pub fn apply(router: &Router, mut new: Config) -> anyhow::Result<()> {
         let kv = bc.kv_blocks().unwrap_or(new.prefix.kv_blocks);
         router.index.clear_backend(slot);
         router.index.set_capacity(slot, kv);
-        router.metrics.clear_slot(slot);
         backends.push(Arc::new(Backend::new(
             slot,
             bc.url(),
@@ -80,5 +79,6 @@ pub fn apply(router: &Router, mut new: Config) -> anyhow::Result<()> {
     router.retry_budget.set_percent(new.retry.budget_percent);
     router.config.store(Arc::new(new));
     router.fleet.store(Arc::new(Fleet { backends }));
+    router.sync_subscribers();
     Ok(())
 }

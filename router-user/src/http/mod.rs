@@ -4,7 +4,8 @@
 
 pub mod chunked;
 pub mod request;
-pub mod response;
+pub(crate) mod response;
+pub mod url;
 
 /// Most headers a head may carry; more is answered 431.
 pub const MAX_HEADERS: usize = 100;

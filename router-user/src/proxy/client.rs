@@ -137,7 +137,7 @@ async fn read_head(cfg: &Config, c: &mut ClientConn) -> Result<Option<RequestHea
             Read::Data(_) => {
                 first_byte_at.get_or_insert_with(Instant::now);
             }
-            Read::Eof | Read::Err(_) if c.buf.is_empty() => return Ok(None),
+            Read::Eof | Read::Err if c.buf.is_empty() => return Ok(None),
             Read::TimedOut if first_byte_at.is_none() => return Ok(None),
             Read::TimedOut => {
                 return Err(RouterError::new(
@@ -148,7 +148,7 @@ async fn read_head(cfg: &Config, c: &mut ClientConn) -> Result<Option<RequestHea
                     ),
                 ));
             }
-            Read::Eof | Read::Err(_) => return Err(closed()),
+            Read::Eof | Read::Err => return Err(closed()),
         }
     }
 }
@@ -310,7 +310,7 @@ async fn read_body_more(
     {
         Read::Data(_) => Ok(()),
         Read::TimedOut => Err(body_timeout(cfg)),
-        Read::Eof | Read::Err(_) => Err(closed()),
+        Read::Eof | Read::Err => Err(closed()),
     }
 }
 

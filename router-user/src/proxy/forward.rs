@@ -244,7 +244,7 @@ pub async fn forward(
         match read_more(&mut bc.stream, &mut c.rbuf, idle).await {
             Read::Data(n) => (start, end) = (0, n),
             Read::Eof if rhead.framing == ResponseFraming::Close => break,
-            Read::Eof | Read::Err(_) | Read::TimedOut => {
+            Read::Eof | Read::Err | Read::TimedOut => {
                 debug!(backend = %backend.url, "backend stream ended early; closing the client connection");
                 return Err(Failure::BrokeMidStream("response stream broke"));
             }
@@ -309,8 +309,8 @@ async fn exchange(
         {
             Read::Data(_) => inflight.prefilled(),
             Read::Eof if c.rbuf.is_empty() => return Err(Exchange::Unanswered("closed")),
-            Read::Err(_) if c.rbuf.is_empty() => return Err(Exchange::Unanswered("reset")),
-            Read::Eof | Read::Err(_) => {
+            Read::Err if c.rbuf.is_empty() => return Err(Exchange::Unanswered("reset")),
+            Read::Eof | Read::Err => {
                 return Err(Exchange::Failed(RouterError::new(
                     Kind::BadGateway,
                     "backend closed the connection in the middle of its response head",

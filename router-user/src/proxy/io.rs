@@ -17,7 +17,8 @@ pub enum Read {
     Data(usize),
     Eof,
     TimedOut,
-    Err(io::Error),
+    /// The socket failed (reset, or another OS error).
+    Err,
 }
 
 /// Appends what the socket has to `buf` (growing it by `READ_CHUNK` when
@@ -37,7 +38,7 @@ pub async fn read_more(stream: &mut TcpStream, buf: &mut Vec<u8>, timeout: Durat
             match res {
                 Ok(0) => Read::Eof,
                 Ok(n) => Read::Data(n),
-                Err(e) => Read::Err(e),
+                Err(_) => Read::Err,
             }
         }
         // The buffer went with the cancelled read; the caller closes the connection.

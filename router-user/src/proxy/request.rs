@@ -206,10 +206,7 @@ async fn attempt(
     } else {
         backend.health.request_succeeded();
     }
-    if !backend.health.is_removed() {
-        // A removed backend's slot may belong to another already.
-        router.metrics.observe_response(backend.slot, answer.status);
-    }
+    backend.stats.responded(answer.status);
     Ok(answer.close_client)
 }
 

@@ -214,15 +214,88 @@ pub struct XdpCounts {
     pub bytes: u64,
 }
 
-/// Totals for the operators: requests, failures, the XDP counters.
+/// The class of an HTTP status, as responses are counted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StatusClass {
+    Success,
+    Redirect,
+    ClientError,
+    ServerError,
+    Other,
+}
+
+impl StatusClass {
+    pub const ALL: [StatusClass; 5] = [
+        StatusClass::Success,
+        StatusClass::Redirect,
+        StatusClass::ClientError,
+        StatusClass::ServerError,
+        StatusClass::Other,
+    ];
+
+    pub fn of(status: u16) -> StatusClass {
+        match status {
+            200..=299 => StatusClass::Success,
+            300..=399 => StatusClass::Redirect,
+            400..=499 => StatusClass::ClientError,
+            500..=599 => StatusClass::ServerError,
+            _ => StatusClass::Other,
+        }
+    }
+
+    /// The `status` label: `2xx` and so on.
+    pub fn name(self) -> &'static str {
+        match self {
+            StatusClass::Success => "2xx",
+            StatusClass::Redirect => "3xx",
+            StatusClass::ClientError => "4xx",
+            StatusClass::ServerError => "5xx",
+            StatusClass::Other => "other",
+        }
+    }
+}
+
+/// Totals for the operators: requests, failures, responses by status
+/// class, health probes, the XDP counters.
 #[derive(Debug, Default)]
 pub struct Stats {
     requests: AtomicU64,
     errors: AtomicU64,
+    /// Responses relayed, by `StatusClass` (its discriminant).
+    responses: [AtomicU64; StatusClass::ALL.len()],
+    probes_passed: AtomicU64,
+    probes_failed: AtomicU64,
     xdp: std::sync::Mutex<XdpCounts>,
 }
 
 impl Stats {
+    /// A response with `status` was relayed from it.
+    pub fn responded(&self, status: u16) {
+        self.responses[StatusClass::of(status) as usize].fetch_add(1, Relaxed);
+    }
+
+    pub fn responses(&self, class: StatusClass) -> u64 {
+        self.responses[class as usize].load(Relaxed)
+    }
+
+    /// An active health probe of it passed or failed.
+    pub fn probed(&self, passed: bool) {
+        let c = if passed {
+            &self.probes_passed
+        } else {
+            &self.probes_failed
+        };
+        c.fetch_add(1, Relaxed);
+    }
+
+    /// Probes passed and failed since it joined the fleet.
+    pub fn probes(&self) -> (u64, u64) {
+        (
+            self.probes_passed.load(Relaxed),
+            self.probes_failed.load(Relaxed),
+        )
+    }
+
     pub fn requests(&self) -> u64 {
         self.requests.load(Relaxed)
     }

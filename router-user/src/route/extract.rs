@@ -19,9 +19,9 @@ use crate::error::{Kind, RouterError};
 use crate::route::hash::namespace_seed;
 
 /// Record separator before each message of a chat.
-const MESSAGE_START: u8 = 0x1e;
+pub(crate) const MESSAGE_START: u8 = 0x1e;
 /// Unit separator between a message's role and its text.
-const ROLE_END: u8 = 0x1f;
+pub(crate) const ROLE_END: u8 = 0x1f;
 
 /// The endpoints whose body carries a prompt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,9 +63,25 @@ pub struct Prompt {
 pub struct Extractor {
     scratch: Vec<u8>,
     buffers: Option<simd_json::Buffers>,
+    /// The last request's `cache_salt` (empty: none), for precise mode's
+    /// keys, which fold it into the first block as vLLM does.
+    salt: Vec<u8>,
+    /// The last request's prompt was token ids (its canonical form is them
+    /// as little-endian u32s), not text.
+    token_ids: bool,
 }
 
 impl Extractor {
+    /// Whether the last request's prompt was given as token ids.
+    pub fn token_ids(&self) -> bool {
+        self.token_ids
+    }
+
+    /// The `cache_salt` of the last request extracted (empty: none).
+    pub fn salt(&self) -> &[u8] {
+        &self.salt
+    }
+
     /// Parses `body` for `endpoint` and writes the canonical prompt to `canon`
     /// (cleared first). Errors are 400s with a message naming the problem.
     pub fn extract(
@@ -90,6 +106,9 @@ impl Extractor {
         let model = parsed.model.as_deref().unwrap_or("");
         let adapter = parsed.lora_path.as_deref().unwrap_or("");
         let salt = parsed.cache_salt.as_deref().unwrap_or("");
+        self.salt.clear();
+        self.salt.extend_from_slice(salt.as_bytes());
+        self.token_ids = false;
         let seed = namespace_seed(&[model.as_bytes(), adapter.as_bytes(), salt.as_bytes()]);
         let user = parsed.user.as_deref().map(|u| xxh3_64(u.as_bytes()));
         match endpoint {
@@ -116,11 +135,18 @@ impl Extractor {
                         "'prompt' is required for /v1/completions",
                     )
                 })?;
+                self.token_ids = matches!(prompt, PromptInput::Tokens(_));
                 prompt.write_canonical(canon);
             }
             Endpoint::Generate => match (parsed.text, parsed.input_ids) {
-                (Some(text), _) => text.write_canonical(canon),
-                (None, Some(ids)) => ids.write_canonical(canon),
+                (Some(text), _) => {
+                    self.token_ids = matches!(text, PromptInput::Tokens(_));
+                    text.write_canonical(canon)
+                }
+                (None, Some(ids)) => {
+                    self.token_ids = matches!(ids, PromptInput::Tokens(_));
+                    ids.write_canonical(canon)
+                }
                 (None, None) => {
                     return Err(RouterError::new(
                         Kind::InvalidBody,

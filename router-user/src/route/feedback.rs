@@ -75,13 +75,6 @@ const PROMPT_KEY: &[u8] = b"\"prompt_tokens\"";
 const CACHED_KEY: &[u8] = b"\"cached_tokens\"";
 
 impl UsageScanner {
-    /// Ready for a new response.
-    pub fn reset(&mut self) {
-        self.carry_len = 0;
-        self.prompt_tokens = None;
-        self.cached_tokens = None;
-    }
-
     /// Scans the next bytes of the response.
     pub fn feed(&mut self, bytes: &[u8]) {
         if bytes.is_empty() {
@@ -206,32 +199,32 @@ const RATE_MIN_BLOCKS: u32 = 32;
 #[derive(Debug)]
 pub struct Feedback {
     /// Reports compared with a prediction.
-    pub reports: AtomicU64,
+    reports: AtomicU64,
     /// Sum of predicted cached blocks over reports.
-    pub predicted_blocks: AtomicU64,
+    predicted_blocks: AtomicU64,
     /// Sum of reported cached blocks over reports.
-    pub reported_blocks: AtomicU64,
+    reported_blocks: AtomicU64,
     /// Sum of |predicted - reported| blocks over reports.
-    pub error_blocks: AtomicU64,
+    error_blocks: AtomicU64,
     /// Reports that held less than predicted (by more than the tolerance).
-    pub over_predictions: AtomicU64,
+    over_predictions: AtomicU64,
     /// Reports that held more than predicted.
-    pub under_predictions: AtomicU64,
+    under_predictions: AtomicU64,
     /// Flushes detected.
-    pub flushes: AtomicU64,
+    flushes: AtomicU64,
     /// Recent prompts lost whole in a row (see `FLUSH_REPORTS`).
     empty_in_row: AtomicU32,
     /// Learned capacity in the router's blocks, as `f64` bits.
     capacity: AtomicU64,
     /// Age samples that moved the capacity estimate.
-    pub capacity_samples: AtomicU64,
+    capacity_samples: AtomicU64,
     /// Learned prefill rate, blocks per second, as `f64` bits (0: none yet).
     prefill_rate: AtomicU64,
     /// Prefill-rate samples taken.
-    pub rate_samples: AtomicU32,
+    rate_samples: AtomicU32,
     /// The capacity the engine published or the config gives, in index
     /// blocks (0: unknown): the estimate starts there and never exceeds it.
-    pub known_capacity: AtomicUsize,
+    known_capacity: AtomicUsize,
     /// The engine's published capacity was looked for (once, after its
     /// first passed probe).
     capacity_looked_up: AtomicBool,
@@ -268,6 +261,43 @@ impl Feedback {
     /// published capacity then.
     pub fn first_capacity_lookup(&self) -> bool {
         !self.capacity_looked_up.swap(true, Relaxed)
+    }
+
+    /// Answers compared with a prediction.
+    pub fn reports(&self) -> u64 {
+        self.reports.load(Relaxed)
+    }
+
+    /// Predicted cached blocks, summed over reports.
+    pub fn predicted_blocks(&self) -> u64 {
+        self.predicted_blocks.load(Relaxed)
+    }
+
+    /// Reported cached blocks, summed over reports.
+    pub fn reported_blocks(&self) -> u64 {
+        self.reported_blocks.load(Relaxed)
+    }
+
+    /// |predicted - reported| blocks, summed over reports.
+    pub fn error_blocks(&self) -> u64 {
+        self.error_blocks.load(Relaxed)
+    }
+
+    pub fn over_predictions(&self) -> u64 {
+        self.over_predictions.load(Relaxed)
+    }
+
+    pub fn under_predictions(&self) -> u64 {
+        self.under_predictions.load(Relaxed)
+    }
+
+    pub fn flushes(&self) -> u64 {
+        self.flushes.load(Relaxed)
+    }
+
+    /// The engine published its capacity, or the config gives it.
+    pub fn capacity_known(&self) -> bool {
+        self.known_capacity.load(Relaxed) > 0
     }
 
     /// The learned capacity in the router's blocks.

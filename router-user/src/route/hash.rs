@@ -31,6 +31,41 @@ pub fn block_hashes(seed: u64, canonical: &[u8], block_bytes: usize, out: &mut V
     }
 }
 
+/// [`block_hashes`] of the concatenation of `pieces`, read once: blocks
+/// inside a piece are hashed where they are, only blocks that straddle two
+/// pieces are copied (into `carry`, which ends holding the partial last
+/// block).
+pub fn block_hashes_pieces<'a>(
+    seed: u64,
+    pieces: impl IntoIterator<Item = &'a [u8]>,
+    block_bytes: usize,
+    carry: &mut Vec<u8>,
+    out: &mut Vec<u64>,
+) {
+    debug_assert!(block_bytes > 0);
+    carry.clear();
+    let mut h = seed;
+    for mut p in pieces {
+        if !carry.is_empty() {
+            let take = (block_bytes - carry.len()).min(p.len());
+            carry.extend_from_slice(&p[..take]);
+            p = &p[take..];
+            if carry.len() < block_bytes {
+                continue;
+            }
+            h = xxh3_64_with_seed(carry, h).max(1);
+            out.push(h);
+            carry.clear();
+        }
+        let mut blocks = p.chunks_exact(block_bytes);
+        for block in &mut blocks {
+            h = xxh3_64_with_seed(block, h).max(1);
+            out.push(h);
+        }
+        carry.extend_from_slice(blocks.remainder());
+    }
+}
+
 /// The key a cold prompt is placed by: the chained hash after its first
 /// `key_blocks` blocks, so every prompt that shares those blocks (the same
 /// system prompt or few-shot template) lands on the same backend. Prompts
@@ -75,6 +110,23 @@ mod tests {
             block_hashes(9, &base, 64, &mut a);
             block_hashes(9, &full, 64, &mut b);
             prop_assert_eq!(&b[..a.len()], &a[..]);
+        }
+
+        /// Hashing pieces is hashing their concatenation, however it is cut.
+        #[test]
+        fn pieces_hash_as_their_concatenation(text in proptest::collection::vec(any::<u8>(), 0..700),
+                                              cuts in proptest::collection::vec(0usize..700, 0..12),
+                                              block in 1usize..100) {
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(text.len())).collect();
+            cuts.push(0);
+            cuts.push(text.len());
+            cuts.sort_unstable();
+            let pieces: Vec<&[u8]> = cuts.windows(2).map(|w| &text[w[0]..w[1]]).collect();
+            let (mut a, mut b, mut carry) = (Vec::new(), Vec::new(), Vec::new());
+            block_hashes(5, &text, block, &mut a);
+            block_hashes_pieces(5, pieces, block, &mut carry, &mut b);
+            prop_assert_eq!(a, b);
+            prop_assert_eq!(&carry[..], &text[text.len() / block * block..]);
         }
 
         /// Changing one byte changes the hash of its block and every block after.

@@ -25,9 +25,16 @@ use crate::route::MAX_BACKENDS;
 /// A block [`PrefixIndex::longest_matches_noting`] found no slot for.
 pub const NOT_FOUND: u32 = u32::MAX;
 
-/// Slots probed for a key, starting at its home slot. 8 slots of 24 bytes are
-/// three cache lines; past them a key is not found and an insert evicts.
-const PROBE: usize = 8;
+/// A run of up to this many blocks a backend seems to lack (their slots
+/// displaced from a full window) does not end its match if it holds a
+/// later block.
+const MAX_GAP: usize = 2;
+
+/// Slots a key may sit in: two buckets (see `PrefixIndex::window`); past
+/// them a key is not found and an insert evicts.
+const PROBE: usize = 2 * BUCKET;
+/// Slots per bucket: 4 slots of 32 bytes are two cache lines.
+const BUCKET: usize = 4;
 
 struct Slot {
     key: AtomicU64,
@@ -108,7 +115,7 @@ impl PrefixIndex {
 
     /// Writes into `out` how many leading blocks of `hashes` each backend
     /// holds, for the backends in `candidates` (a bitmask); returns the mask
-    /// of backends that hold at least one block.
+    /// of backends that hold at least one of them.
     pub fn longest_matches(&self, hashes: &[u64], candidates: u64, out: &mut Matches) -> u64 {
         self.longest_matches_noting(hashes, candidates, out, &mut Vec::new())
     }
@@ -126,24 +133,33 @@ impl PrefixIndex {
         found.clear();
         let mut alive = candidates;
         let mut any = 0;
+        // Each backend's match so far: blocks up to the last one it holds.
+        let mut held_to = [0u32; MAX_BACKENDS];
         for (i, &h) in hashes.iter().enumerate() {
             let slot = self.find_index(h);
             found.push(slot.map_or(NOT_FOUND, |j| j as u32));
             let owners = slot.map_or(0, |j| self.slots[j].owners.load(Relaxed));
-            let dropped = alive & !owners;
-            for b in bits(dropped) {
-                out[b] = i as u32;
+            let held = alive & owners;
+            any |= held;
+            for b in bits(held) {
+                held_to[b] = i as u32 + 1;
             }
-            alive &= owners;
-            if i == 0 {
-                any = alive;
+            // A backend that holds a later block was sent this one too (the
+            // hashes are chained): a short run of blocks it seems to lack
+            // (displaced from a full window, re-claimed for another
+            // backend) is bridged. A longer run ends its match.
+            for b in bits(alive & !owners) {
+                if i + 1 - held_to[b] as usize > MAX_GAP {
+                    alive &= !(1 << b);
+                    out[b] = held_to[b];
+                }
             }
             if alive == 0 {
                 return any;
             }
         }
         for b in bits(alive) {
-            out[b] = hashes.len() as u32;
+            out[b] = held_to[b];
         }
         any
     }
@@ -307,17 +323,22 @@ impl PrefixIndex {
         self.slots.len() * std::mem::size_of::<Slot>() + rings
     }
 
-    fn home(&self, h: u64) -> usize {
-        // Multiply-shift maps the hash onto any table size without a division.
-        ((u128::from(h) * self.slots.len() as u128) >> 64) as usize
-    }
-
-    fn at(&self, home: usize, i: usize) -> &Slot {
-        let mut j = home + i;
-        if j >= self.slots.len() {
-            j -= self.slots.len();
+    /// The `PROBE` slots a key may sit in: a bucket of `BUCKET` slots at
+    /// each of two homes from independent bits of the key. An insert takes
+    /// the emptier bucket (two choices keep buckets evenly filled, so a full
+    /// window stays rare even past half load, unlike one linear run).
+    #[inline]
+    fn window(&self, h: u64) -> [usize; PROBE] {
+        let n = self.slots.len();
+        // Multiply-shift maps a hash onto any table size without a division.
+        let home = |x: u64| ((u128::from(x) * n as u128) >> 64) as usize;
+        let homes = [home(h), home(h.rotate_left(29) ^ 0x9e37_79b9_7f4a_7c15)];
+        let mut w = [0; PROBE];
+        for (k, slot) in w.iter_mut().enumerate() {
+            let j = homes[k / BUCKET] + k % BUCKET;
+            *slot = if j >= n { j - n } else { j };
         }
-        &self.slots[j]
+        w
     }
 
     fn find(&self, h: u64) -> Option<&Slot> {
@@ -325,43 +346,40 @@ impl PrefixIndex {
     }
 
     fn find_index(&self, h: u64) -> Option<usize> {
-        let home = self.home(h);
-        let n = self.slots.len();
-        (0..PROBE)
-            .map(|i| {
-                if home + i >= n {
-                    home + i - n
-                } else {
-                    home + i
-                }
-            })
+        self.window(h)
+            .into_iter()
             .find(|&j| self.slots[j].key.load(Relaxed) == h)
     }
 
-    /// The slot holding `h`, claiming an empty one or, when all probed slots
-    /// are taken, evicting the one with the fewest owners.
+    /// The slot holding `h`, claiming an empty one of the emptier bucket or,
+    /// when both buckets are full, evicting the one with the fewest owners.
     fn find_or_claim(&self, h: u64) -> &Slot {
         if let Some(s) = self.find(h) {
             return s;
         }
-        let home = self.home(h);
-        let mut victim = self.at(home, 0);
-        let mut victim_owners = u32::MAX;
-        for i in 0..PROBE {
-            let s = self.at(home, i);
-            let key = s.key.load(Relaxed);
-            if key == 0 {
-                if s.key.compare_exchange(0, h, Relaxed, Relaxed).is_ok() {
+        let w = self.window(h);
+        let empty = |k: usize| self.slots[w[k]].key.load(Relaxed) == 0;
+        let free = |bucket: usize| (0..BUCKET).filter(|&i| empty(bucket * BUCKET + i)).count();
+        let order = if free(1) > free(0) { [1, 0] } else { [0, 1] };
+        for bucket in order {
+            for i in 0..BUCKET {
+                let s = &self.slots[w[bucket * BUCKET + i]];
+                if s.key.load(Relaxed) == 0
+                    && s.key.compare_exchange(0, h, Relaxed, Relaxed).is_ok()
+                {
                     s.owners.store(0, Relaxed);
                     s.referenced.store(0, Relaxed);
                     s.last_sent.store(0, Relaxed);
                     return s;
                 }
-                continue;
             }
-            let owners = s.owners.load(Relaxed).count_ones();
+        }
+        let mut victim = &self.slots[w[0]];
+        let mut victim_owners = u32::MAX;
+        for &j in &w {
+            let owners = self.slots[j].owners.load(Relaxed).count_ones();
             if owners < victim_owners {
-                victim = s;
+                victim = &self.slots[j];
                 victim_owners = owners;
             }
         }

@@ -8,10 +8,11 @@
 /// each block's owner mask, and every per-backend table has this many slots.
 pub const MAX_BACKENDS: usize = 64;
 
-pub mod backend;
+pub(crate) mod backend;
 pub mod extract;
-pub mod feedback;
+pub(crate) mod feedback;
 pub mod hash;
 pub mod index;
+pub mod scan;
 pub mod select;
 pub mod slots;

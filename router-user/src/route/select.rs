@@ -156,7 +156,7 @@ pub struct RouteInput<'a> {
 }
 
 /// Why the first choice was made, for metrics and `/admin/explain`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Decision {
     /// A backend holding a prefix was chosen.

@@ -32,6 +32,9 @@ pub struct Job {
     pub max_tokens: u32,
     pub stream: bool,
     pub include_usage: bool,
+    /// vLLM's `cache_salt`: only requests with the same salt share cached
+    /// blocks (it is folded into the first block's hash).
+    pub cache_salt: Option<String>,
 }
 
 /// A request error, answered in OpenAI's error shape.
@@ -114,6 +117,8 @@ struct OpenAiRequest<'a> {
     stream: Option<bool>,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    cache_salt: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -293,6 +298,7 @@ pub fn parse(
             max_tokens: mt,
             stream,
             include_usage: false,
+            cache_salt: None,
         });
     }
     let r: OpenAiRequest = serde_json::from_slice(body).map_err(invalid)?;
@@ -321,6 +327,7 @@ pub fn parse(
         max_tokens: mt,
         stream,
         include_usage,
+        cache_salt: r.cache_salt,
     })
 }
 

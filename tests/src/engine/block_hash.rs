@@ -17,6 +17,13 @@ pub fn chain_seed(model: &str) -> u64 {
     xxh3_64(model.as_bytes())
 }
 
+/// The chain seed of a request with a `cache_salt`: the model's seed with
+/// the salt folded in, so only requests with the same salt share blocks
+/// (vLLM folds it into the first block's hash).
+pub fn salted_seed(seed: u64, salt: &str) -> u64 {
+    xxh3_64_with_seed(salt.as_bytes(), seed)
+}
+
 /// The hash of one block given its parent's hash (or the chain seed).
 #[inline]
 pub fn block_hash(parent: u64, tokens: &[Token]) -> BlockHash {

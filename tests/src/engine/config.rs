@@ -84,6 +84,34 @@ pub struct EngineArgs {
     /// POST /sim/faults, accepted connections are reset (RST) instead.
     #[arg(long, default_value_t = 0)]
     pub refuse_connections_ms: u64,
+    /// Publish vLLM's KV-cache events on a ZMQ PUB socket at 127.0.0.1:PORT
+    /// (BlockStored, BlockRemoved, AllBlocksCleared; see `kv_events`) [default: off].
+    #[arg(long)]
+    pub kv_events_port: Option<u16>,
+    /// Port of the replay ROUTER socket [default: --kv-events-port + 1].
+    #[arg(long)]
+    pub kv_events_replay_port: Option<u16>,
+    /// Encoding of events and batches: msgspec's arrays (tag first) or maps
+    /// with a `type` key (vLLM after PR 42892).
+    #[arg(long, value_enum, default_value_t = super::kv_events::Encoding::Array)]
+    pub kv_events_encoding: super::kv_events::Encoding,
+    /// Topic frame of every message.
+    #[arg(long, default_value = "kv-events")]
+    pub kv_events_topic: String,
+    /// Batches the replay socket keeps (vLLM's `buffer_steps`).
+    #[arg(long, default_value_t = 10_000)]
+    pub kv_events_buffer: usize,
+    /// Block hashes as 32 raw bytes (as vLLM with a sha256 prefix-caching
+    /// hash) instead of u64s.
+    #[arg(long)]
+    pub kv_events_bytes_hashes: bool,
+    /// `data_parallel_rank` of every batch (none by default).
+    #[arg(long)]
+    pub kv_events_dp_rank: Option<u32>,
+    /// Fault: leave the batch with this sequence number out of the live
+    /// stream; it stays in the replay buffer, as a message lost on the wire.
+    #[arg(long)]
+    pub kv_events_drop_seq: Option<u64>,
 }
 
 impl EngineArgs {

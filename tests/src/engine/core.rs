@@ -12,6 +12,7 @@ use super::faults::{Dice, Faults};
 use super::kv_cache::KvCache;
 use super::metrics::{Gauges, Metrics};
 use super::output_text;
+use super::tokenize::Token;
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
@@ -39,6 +40,11 @@ struct Timing {
 
 struct Seq {
     prompt: PromptBlocks,
+    /// The prompt's tokens while KV events are published (their BlockStored
+    /// events carry them), else empty.
+    tokens: Vec<Token>,
+    /// Its `cache_salt`, the extra key of its first block's event.
+    salt: Option<Vec<u8>>,
     max_tokens: u32,
     arrival: Instant,
     tx: UnboundedSender<Progress>,
@@ -111,11 +117,26 @@ impl Engine {
         max_tokens: u32,
         now: Instant,
     ) -> UnboundedReceiver<Progress> {
+        self.submit_tokens(prompt, Vec::new(), None, max_tokens, now)
+    }
+
+    /// [`submit`](Self::submit) with the prompt's `tokens`, for the KV
+    /// events of its blocks.
+    pub fn submit_tokens(
+        &mut self,
+        prompt: PromptBlocks,
+        tokens: Vec<Token>,
+        salt: Option<Vec<u8>>,
+        max_tokens: u32,
+        now: Instant,
+    ) -> UnboundedReceiver<Progress> {
         let (tx, rx) = unbounded_channel();
         let id = self.next_id;
         self.next_id += 1;
         let seq = Seq {
             prompt,
+            tokens,
+            salt,
             max_tokens: max_tokens.max(1),
             arrival: now,
             tx,
@@ -134,16 +155,30 @@ impl Engine {
     /// prompt and output blocks, release. Returns the cached prompt tokens,
     /// or `None` if its blocks do not fit next to the running requests.
     pub fn run_now(&mut self, prompt: &PromptBlocks, max_tokens: u32) -> Option<u32> {
+        self.run_now_tokens(prompt, &[], None, max_tokens)
+    }
+
+    /// [`run_now`](Self::run_now) with the prompt's `tokens`, for the KV
+    /// events of its blocks.
+    pub fn run_now_tokens(
+        &mut self,
+        prompt: &PromptBlocks,
+        tokens: &[Token],
+        salt: Option<&[u8]>,
+        max_tokens: u32,
+    ) -> Option<u32> {
         let hit = prompt.usable_hit_blocks(self.cache.lookup(&prompt.hashes));
         let need = Self::blocks_needed(prompt.num_tokens, max_tokens);
         let blocks = self.cache.allocate(&prompt.hashes, hit, need)?;
-        for (i, &h) in prompt.hashes.iter().enumerate().skip(hit) {
-            self.cache.register(blocks[i], h);
-        }
-        let out = prompt.output_block_hashes(&output_text::tokens(prompt.digest(), max_tokens));
-        for (i, h) in out.into_iter().enumerate() {
-            self.cache.register(blocks[prompt.hashes.len() + i], h);
-        }
+        store_prompt_blocks(
+            &mut self.cache,
+            &blocks,
+            prompt,
+            (tokens, salt),
+            hit..prompt.hashes.len(),
+        );
+        let output = output_text::tokens(prompt.digest(), max_tokens);
+        store_output_blocks(&mut self.cache, &blocks, prompt, &output, salt);
         self.cache.release(&blocks);
         let cached = (hit * BLOCK_SIZE) as u32;
         let m = &mut self.metrics;
@@ -226,11 +261,15 @@ impl Engine {
             };
             s.computed += chunk;
             let full = s.computed / BLOCK_SIZE;
-            while s.registered < full.min(s.prompt.hashes.len()) {
-                self.cache
-                    .register(s.blocks[s.registered], s.prompt.hashes[s.registered]);
-                s.registered += 1;
-            }
+            let upto = full.min(s.prompt.hashes.len()).max(s.registered);
+            store_prompt_blocks(
+                &mut self.cache,
+                &s.blocks,
+                &s.prompt,
+                (&s.tokens, s.salt.as_deref()),
+                s.registered..upto,
+            );
+            s.registered = upto;
             if s.computed == s.prompt.num_tokens {
                 self.metrics
                     .ttft
@@ -268,12 +307,14 @@ impl Engine {
         let Some(s) = self.seqs.remove(&id) else {
             return;
         };
-        let out = s
-            .prompt
-            .output_block_hashes(&output_text::tokens(s.prompt.digest(), s.generated));
-        for (i, h) in out.into_iter().enumerate() {
-            self.cache.register(s.blocks[s.prompt.hashes.len() + i], h);
-        }
+        let output = output_text::tokens(s.prompt.digest(), s.generated);
+        store_output_blocks(
+            &mut self.cache,
+            &s.blocks,
+            &s.prompt,
+            &output,
+            s.salt.as_deref(),
+        );
         self.cache.release(&s.blocks);
         self.metrics.generation_tokens += u64::from(s.generated);
         if completed {
@@ -292,6 +333,52 @@ impl Engine {
             kv_usage: self.cache.used_blocks() as f64 / self.cache.num_blocks().max(1) as f64,
             num_blocks: Some(self.cache.num_blocks()),
         }
+    }
+}
+
+/// Stores the prompt's blocks `range` (computed now) in `blocks`. Their
+/// tokens come from `tokens` when the cache records events (else none),
+/// the first block's extra key from `salt`.
+fn store_prompt_blocks(
+    cache: &mut KvCache,
+    blocks: &[u32],
+    prompt: &PromptBlocks,
+    (tokens, salt): (&[Token], Option<&[u8]>),
+    range: std::ops::Range<usize>,
+) {
+    for i in range {
+        let parent = i.checked_sub(1).map(|p| prompt.hashes[p]);
+        let toks = tokens
+            .get(i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE)
+            .unwrap_or(&[]);
+        // The salt is folded into a sequence's first block.
+        let extra = if i == 0 { salt } else { None };
+        cache.store(blocks[i], prompt.hashes[i], parent, toks, extra);
+    }
+}
+
+/// Stores the full blocks after the prompt's own once `output` was
+/// generated (see `PromptBlocks::output_block_hashes`).
+fn store_output_blocks(
+    cache: &mut KvCache,
+    blocks: &[u32],
+    prompt: &PromptBlocks,
+    output: &[Token],
+    salt: Option<&[u8]>,
+) {
+    let hashes = prompt.output_block_hashes(output);
+    let first = prompt.hashes.len();
+    let mut seq = Vec::new();
+    if cache.records_events() {
+        seq.extend_from_slice(&prompt.tail);
+        seq.extend_from_slice(output);
+    }
+    let mut parent = prompt.hashes.last().copied();
+    for (j, h) in hashes.into_iter().enumerate() {
+        let toks = seq.get(j * BLOCK_SIZE..(j + 1) * BLOCK_SIZE).unwrap_or(&[]);
+        let extra = if parent.is_none() { salt } else { None };
+        cache.store(blocks[first + j], h, parent, toks, extra);
+        parent = Some(h);
     }
 }
 

@@ -18,6 +18,18 @@ pub struct Faults {
     pub refuse_until: Option<Instant>,
     /// Remaining ms of refusal (reported only).
     pub refuse_connections_ms: u64,
+    /// KV events: the batch with this sequence number is left out of the
+    /// live stream (kept for replay); once.
+    pub kv_events_drop_seq: Option<u64>,
+    /// KV events: the batch with this sequence number is lost for good (not
+    /// sent, not kept for replay); once.
+    pub kv_events_lose_seq: Option<u64>,
+    /// KV events: restart as a new engine at the publisher's next turn
+    /// (cache emptied silently, sequence back at 0, replay buffer gone).
+    pub kv_events_restart: bool,
+    /// KV events: both sockets are closed until this instant.
+    #[serde(skip)]
+    pub kv_events_pause_until: Option<Instant>,
 }
 
 /// Body of `POST /sim/faults`: absent fields stay as they are.
@@ -28,6 +40,11 @@ pub struct FaultUpdate {
     pub drop_mid_stream_rate: Option<f64>,
     pub stall_first_byte_ms: Option<u64>,
     pub refuse_connections_ms: Option<u64>,
+    pub kv_events_drop_seq: Option<u64>,
+    pub kv_events_lose_seq: Option<u64>,
+    pub kv_events_restart: Option<bool>,
+    /// Closes the KV event sockets for this many ms (the stream dies).
+    pub kv_events_pause_ms: Option<u64>,
 }
 
 impl Faults {
@@ -44,6 +61,18 @@ impl Faults {
         }
         if let Some(v) = u.refuse_connections_ms {
             self.refuse_until = (v > 0).then(|| now + Duration::from_millis(v));
+        }
+        if u.kv_events_drop_seq.is_some() {
+            self.kv_events_drop_seq = u.kv_events_drop_seq;
+        }
+        if u.kv_events_lose_seq.is_some() {
+            self.kv_events_lose_seq = u.kv_events_lose_seq;
+        }
+        if let Some(v) = u.kv_events_restart {
+            self.kv_events_restart = v;
+        }
+        if let Some(v) = u.kv_events_pause_ms {
+            self.kv_events_pause_until = (v > 0).then(|| now + Duration::from_millis(v));
         }
     }
 

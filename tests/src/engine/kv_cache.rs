@@ -7,6 +7,8 @@
 //! exactly when its reference count is zero.
 
 use super::block_hash::BlockHash;
+use super::kv_events::{CacheEvent, EventLog};
+use super::tokenize::Token;
 use std::collections::HashMap;
 
 const NIL: u32 = u32::MAX;
@@ -27,6 +29,9 @@ pub struct KvCache {
     head: u32,
     tail: u32,
     free: usize,
+    /// What the cache stored, evicted and cleared, in order, while KV events
+    /// are published (`kv_events`); `None` otherwise.
+    log: Option<EventLog>,
 }
 
 impl KvCache {
@@ -47,6 +52,7 @@ impl KvCache {
             head: NIL,
             tail: NIL,
             free: 0,
+            log: None,
         };
         for b in 0..num_blocks as u32 {
             c.push_back(b);
@@ -102,10 +108,12 @@ impl KvCache {
             let b = self.head;
             self.unlink(b);
             let blk = &mut self.blocks[b as usize];
-            if let Some(h) = blk.hash.take() {
-                self.by_hash.remove(&h);
-            }
+            let evicted = blk.hash.take();
             blk.refs = 1;
+            if let Some(h) = evicted {
+                self.by_hash.remove(&h);
+                self.record(CacheEvent::Removed(h));
+            }
             ids.push(b);
         }
         Some(ids)
@@ -121,6 +129,56 @@ impl KvCache {
         self.blocks[block as usize].hash = Some(hash);
         self.by_hash.insert(hash, block);
         true
+    }
+
+    /// [`register`](Self::register), recording a stored block (its parent's
+    /// hash, `None` for a sequence's first block, its tokens, and its extra
+    /// key: the cache salt of a sequence's first block) when KV events are
+    /// published.
+    pub fn store(
+        &mut self,
+        block: u32,
+        hash: BlockHash,
+        parent: Option<BlockHash>,
+        tokens: &[Token],
+        extra: Option<&[u8]>,
+    ) -> bool {
+        let stored = self.register(block, hash);
+        if stored && self.log.is_some() {
+            self.record(CacheEvent::Stored {
+                hash,
+                parent,
+                tokens: tokens.to_vec(),
+                extra: extra.map(<[u8]>::to_vec),
+            });
+        }
+        stored
+    }
+
+    /// Starts recording events into `log` (see [`CacheEvent`]).
+    pub fn record_events(&mut self, log: EventLog) {
+        self.log = Some(log);
+    }
+
+    /// Whether events are recorded (callers then pass real tokens to
+    /// [`store`](Self::store)).
+    pub fn records_events(&self) -> bool {
+        self.log.is_some()
+    }
+
+    /// The events recorded since the last call, oldest first.
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.log
+            .as_mut()
+            .map(|l| std::mem::take(&mut l.events))
+            .unwrap_or_default()
+    }
+
+    fn record(&mut self, e: CacheEvent) {
+        if let Some(l) = &mut self.log {
+            l.events.push(e);
+            l.wake.notify_one();
+        }
     }
 
     /// Drops one reference to each of a request's blocks. Like vLLM, blocks
@@ -147,6 +205,7 @@ impl KvCache {
         for b in &mut self.blocks {
             b.hash = None;
         }
+        self.record(CacheEvent::Cleared);
     }
 
     fn unlink(&mut self, b: u32) {

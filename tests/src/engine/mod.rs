@@ -6,7 +6,8 @@
 //! [`scheduler`] (steps in simulated time), [`api`] (OpenAI/SGLang request
 //! parsing and response shapes), [`http1`] (HTTP/1.1 framing), [`server`]
 //! (listener, routing, faults), [`metrics`] (Prometheus text), [`faults`],
-//! [`output_text`] (the generated pseudo-words), [`config`] (flags).
+//! [`kv_events`] (vLLM's KV-cache event stream over ZMQ), [`output_text`]
+//! (the generated pseudo-words), [`config`] (flags).
 //!
 //! The workload generator reuses [`tokenize`] and [`block_hash`] to compute
 //! the hit-rate ceiling of a trace, so the two always agree.
@@ -18,6 +19,7 @@ pub mod core;
 pub mod faults;
 pub mod http1;
 pub mod kv_cache;
+pub mod kv_events;
 pub mod metrics;
 pub mod output_text;
 pub mod scheduler;

@@ -3,7 +3,7 @@
 //! across an await.
 
 use super::api::{self, ApiError, ApiKind, Responder};
-use super::block_hash::{PromptBlocks, chain_seed};
+use super::block_hash::{PromptBlocks, chain_seed, salted_seed};
 use super::config::EngineArgs;
 use super::core::{Engine, Progress};
 use super::faults::FaultUpdate;
@@ -39,6 +39,8 @@ struct Server {
     model_seeds: Vec<u64>,
     zero_cost: bool,
     next_id: AtomicU64,
+    /// KV events are published: requests keep their tokens for them.
+    kv_events: bool,
 }
 
 type Conn = TcpStream;
@@ -57,6 +59,16 @@ pub async fn serve(args: EngineArgs) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     let engine = Arc::new(Mutex::new(Engine::new(&args)));
     let wake = Arc::new(Notify::new());
+    let kv_events = super::kv_events::Settings::from_args(&args);
+    let publishing = kv_events.is_some();
+    if let Some(s) = kv_events {
+        engine
+            .lock()
+            .expect("engine lock")
+            .faults
+            .kv_events_drop_seq = args.kv_events_drop_seq;
+        super::kv_events::start(engine.clone(), s).await?;
+    }
     let zero_cost = args.zero_cost();
     if !zero_cost {
         tokio::spawn(scheduler::run(
@@ -77,6 +89,7 @@ pub async fn serve(args: EngineArgs) -> anyhow::Result<()> {
         model_seeds: args.models.iter().map(|m| chain_seed(m)).collect(),
         zero_cost,
         next_id: AtomicU64::new(0),
+        kv_events: publishing,
         args,
     });
     tracing::info!(%addr, id = %srv.engine_id, zero_cost, models = ?srv.args.models, "sim-engine ready");
@@ -378,8 +391,17 @@ impl Server {
             );
             return self.error(s, out, ApiError::bad_request(msg), ka).await;
         }
-        let prompt = PromptBlocks::new(self.model_seeds[job.model], &job.tokens);
-        drop(job.tokens);
+        let seed = match &job.cache_salt {
+            Some(salt) => salted_seed(self.model_seeds[job.model], salt),
+            None => self.model_seeds[job.model],
+        };
+        let prompt = PromptBlocks::new(seed, &job.tokens);
+        let salt = job.cache_salt.map(String::into_bytes);
+        let tokens = if self.kv_events {
+            job.tokens
+        } else {
+            Vec::new()
+        };
         let resp = Responder {
             kind: job.kind,
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
@@ -391,11 +413,12 @@ impl Server {
         };
         let drop_at = drop_mid.then_some(job.max_tokens / 2);
         if self.zero_cost {
-            let cached = self
-                .engine
-                .lock()
-                .expect("engine lock")
-                .run_now(&prompt, job.max_tokens);
+            let cached = self.engine.lock().expect("engine lock").run_now_tokens(
+                &prompt,
+                &tokens,
+                salt.as_deref(),
+                job.max_tokens,
+            );
             let Some(cached) = cached else {
                 let e = ApiError {
                     status: 503,
@@ -429,11 +452,13 @@ impl Server {
                 Ok(ka)
             };
         }
-        let rx = self
-            .engine
-            .lock()
-            .expect("engine lock")
-            .submit(prompt, job.max_tokens, arrival);
+        let rx = self.engine.lock().expect("engine lock").submit_tokens(
+            prompt,
+            tokens,
+            salt,
+            job.max_tokens,
+            arrival,
+        );
         self.wake.notify_one();
         if job.stream {
             let how = StreamHow {

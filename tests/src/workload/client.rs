@@ -5,6 +5,7 @@
 use anyhow::{Context, bail};
 use bytes::{Buf, BytesMut};
 use prefix_router::http::chunked::ChunkedDecoder;
+use prefix_router::http::url::HttpUrl;
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::sync::Mutex;
@@ -26,24 +27,13 @@ pub struct Target {
 impl Target {
     /// Parses and resolves a base URL.
     pub async fn parse(url: &str) -> anyhow::Result<Self> {
-        let rest = url
-            .strip_prefix("http://")
-            .context("target must be an http:// URL")?;
-        let (hostport, path) = rest.split_once('/').map_or((rest, ""), |(h, p)| (h, p));
-        let hostport = if hostport.contains(':') {
-            hostport.to_string()
-        } else {
-            format!("{hostport}:80")
-        };
+        let u = HttpUrl::parse(url).context("target")?;
+        let hostport = u.host_port();
         let addr = tokio::net::lookup_host(&hostport)
             .await?
             .next()
             .context("target host does not resolve")?;
-        let mut prefix = format!("/{}", path.trim_end_matches('/'));
-        if prefix.ends_with("/v1") {
-            prefix.truncate(prefix.len() - 3);
-        }
-        let prefix = prefix.trim_end_matches('/').to_string();
+        let prefix = u.path.strip_suffix("/v1").unwrap_or(&u.path).to_string();
         Ok(Target {
             addr,
             host: hostport,

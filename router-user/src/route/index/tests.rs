@@ -134,3 +134,32 @@ fn noted_slots_are_used_only_while_they_hold_their_block() {
     idx.longest_matches(&req, 0b11, &mut m);
     assert_eq!(&m[..2], &[12, 12]);
 }
+
+#[test]
+fn a_long_prompt_is_matched_whole_in_a_roomy_table() {
+    // Four backends of 16k blocks each, two of them full of other prompts
+    // (the table is about 40% full), then a 6,400-block prompt (a 400 KB
+    // document): every block of it is found again. A block lost to a full
+    // probe window would cut the match there.
+    let cap = 16_384;
+    let idx = PrefixIndex::new(4 * cap);
+    for b in 0..4 {
+        idx.set_capacity(b, cap);
+    }
+    for b in 1..3 {
+        for p in 0..(cap / 512) {
+            idx.insert(b, &chain(1_000 + (b * 100 + p) as u64, 512));
+        }
+    }
+    for seed in 0..16u64 {
+        let req = chain(seed, 6_400);
+        idx.insert(0, &req[..4_000]);
+        idx.insert(3, &req);
+        let mut m = [0; MAX_BACKENDS];
+        idx.longest_matches(&req, 0b1001, &mut m);
+        assert_eq!(m[3], 6_400, "seed {seed}: the match was cut");
+        assert_eq!(m[0], 4_000, "seed {seed}");
+        idx.clear_backend(0);
+        idx.clear_backend(3);
+    }
+}

@@ -1,0 +1,122 @@
+//! The `[precise]` configuration section (every key in
+//! `prefix-router.example.toml`, commented), and where each backend
+//! publishes its events.
+
+use serde::Deserialize;
+
+use super::BackendConfig;
+use crate::precise::subscriber::Endpoints;
+
+/// Precise mode: off by default (the approximate index alone routes).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PreciseConfig {
+    /// Subscribe to every backend's KV-cache events and route EXACT
+    /// backends on what their engines say they hold.
+    pub enabled: bool,
+    /// Port of a backend's live event stream, on the backend's host, when
+    /// the backend gives no `kv_events` endpoint (vLLM's example: 5557).
+    pub port: u16,
+    /// Port of its replay socket [default: `port` + 1].
+    pub replay_port: Option<u16>,
+    /// Topic prefix subscribed to ("" for every topic).
+    pub topic: String,
+    /// Tokens per engine block when an event does not say (vLLM: 16).
+    pub block_tokens: usize,
+    /// Burst guard: the blocks of a request just routed count as held by its
+    /// backend for this long, so siblings of a burst land together before
+    /// the engine's events arrive (milliseconds after the request). 0: off.
+    pub burst_ms: u32,
+    /// A backend whose stream lost a batch for good (a gap replay could not
+    /// fill, a batch that did not decode) is forgotten by the precise index
+    /// and stays DEGRADED this long, while its stream refills the index.
+    pub recover_ms: u64,
+}
+
+impl Default for PreciseConfig {
+    fn default() -> Self {
+        PreciseConfig {
+            enabled: false,
+            port: 5557,
+            replay_port: None,
+            topic: String::new(),
+            block_tokens: crate::precise::keys::DEFAULT_BLOCK_TOKENS,
+            burst_ms: 2000,
+            recover_ms: 10_000,
+        }
+    }
+}
+
+impl PreciseConfig {
+    pub fn settings(&self) -> crate::precise::Settings {
+        crate::precise::Settings {
+            block_tokens: self.block_tokens.max(1),
+            burst_ms: self.burst_ms,
+            recover_ms: self.recover_ms,
+        }
+    }
+
+    /// Where `backend` publishes: its own `kv_events` / `kv_events_replay`
+    /// endpoints, else its host with `port` and `replay_port`.
+    pub fn endpoints(&self, backend: &BackendConfig) -> Endpoints {
+        let (live, replay) = backend.kv_events();
+        let host = || {
+            let rest = backend.url().split("://").nth(1).unwrap_or(backend.url());
+            let authority = rest.split('/').next().unwrap_or(rest);
+            authority
+                .rsplit_once(':')
+                .map_or(authority, |(h, _)| h)
+                .to_owned()
+        };
+        let live = live.map_or_else(|| format!("tcp://{}:{}", host(), self.port), str::to_owned);
+        let replay = replay.map(str::to_owned).or_else(|| {
+            backend.kv_events().0.is_none().then(|| {
+                let p = self.replay_port.unwrap_or(self.port.wrapping_add(1));
+                format!("tcp://{}:{p}", host())
+            })
+        });
+        Endpoints {
+            live,
+            replay,
+            topic: self.topic.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_example_config_says_the_defaults() {
+        let text = include_str!("../../prefix-router.example.toml");
+        let cfg: crate::config::Config = toml::from_str(text).unwrap();
+        assert_eq!(cfg.precise, PreciseConfig::default());
+        assert!(!cfg.precise.enabled, "approximate mode stays the default");
+        assert_eq!(
+            cfg.backends[3].kv_events(),
+            (Some("tcp://127.0.0.1:5557"), Some("tcp://127.0.0.1:5558"))
+        );
+    }
+
+    #[test]
+    fn endpoints_are_derived_from_the_backend_host_or_given() {
+        let c = PreciseConfig::default();
+        let e = c.endpoints(&BackendConfig::Url("http://10.0.0.7:8000".into()));
+        assert_eq!(e.live, "tcp://10.0.0.7:5557");
+        assert_eq!(e.replay.as_deref(), Some("tcp://10.0.0.7:5558"));
+        let t: BackendConfig = toml::from_str::<toml::Table>(
+            "b = { url = \"http://h:1\", kv_events = \"tcp://h:9\" }",
+        )
+        .unwrap()["b"]
+            .clone()
+            .try_into()
+            .unwrap();
+        let e = c.endpoints(&t);
+        assert_eq!(e.live, "tcp://h:9");
+        assert_eq!(
+            e.replay, None,
+            "a given live endpoint without replay has none"
+        );
+    }
+}

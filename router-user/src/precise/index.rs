@@ -1,0 +1,350 @@
+//! The precise index: which backend's engine says it holds which block.
+//!
+//! Keyed like requests are (`keys`): each `BlockStored` block's key is
+//! chained from its parent's key over its token ids, so the router finds a
+//! request's blocks by computing the same keys from its tokens. Each
+//! backend keeps the map from its engine's hashes to those keys (and a
+//! count per key, as two engine blocks may share one key), so that
+//! `BlockRemoved` clears exactly the owner bit the engine dropped.
+//!
+//! Reads (request path) take no lock: a table slot is atomics (key, owners,
+//! burst-guard owners and their stamp). Writes come from one subscriber
+//! thread per backend, each under that backend's own mutex, and from the
+//! routing step's burst guard (atomics only).
+//!
+//! The burst guard: events arrive milliseconds after a request is sent, so
+//! the blocks of a request just routed count as held by its backend for
+//! `burst_ms`; siblings of a burst then land together. Guard bits live in
+//! the slot with one stamp per slot (the newest guard's), so a guard can
+//! outlive its time by the newer one's: a hint, never a source of truth.
+//!
+//! Memory: 32 bytes a slot, 2 slots a block of the fleet's capacity, plus
+//! about 40 bytes a tracked block in the per-backend maps.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
+
+use super::events::EngineHash;
+use super::keys::block_key;
+use crate::route::MAX_BACKENDS;
+use crate::route::index::{Matches, bits};
+
+/// Slots probed for a key from its home slot. Past them an insert displaces
+/// a block, which cuts every chain through it: with 8 (as `route::index`)
+/// on a table 37% full, a 1,023-block prompt lost its match at block 438
+/// in `benches/precise.rs`; 16 slots on a table at most half full keep
+/// displacements rare (none in that bench).
+const PROBE: usize = 16;
+
+/// Slots per block of capacity.
+const SLOTS_PER_BLOCK: usize = 2;
+
+struct Slot {
+    key: AtomicU64,
+    /// Backends whose engine reported the block stored.
+    owners: AtomicU64,
+    /// Backends recently sent a request with this block (burst guard).
+    guard: AtomicU64,
+    /// When the newest guard bit was set, in ms since the index started.
+    guard_ms: AtomicU32,
+}
+
+/// One backend's engine hashes and how many of its blocks map to each key.
+#[derive(Default)]
+struct Held {
+    by_engine: HashMap<EngineHash, u64>,
+    refs: HashMap<u64, u32>,
+}
+
+/// Why a stored event's blocks were not indexed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreMiss {
+    /// Its parent is a block this index never saw (stored before the
+    /// subscription, or in a batch that was lost).
+    UnknownParent,
+    /// `token_ids` is not `block_size` tokens per hash.
+    TokenCount,
+}
+
+pub struct PreciseIndex {
+    slots: Box<[Slot]>,
+    held: Box<[Mutex<Held>]>,
+    /// Each backend's `Held::by_engine` length, readable without its lock
+    /// (selection's cache pressure reads it).
+    held_count: Box<[AtomicUsize]>,
+}
+
+impl PreciseIndex {
+    /// An index sized for `total_capacity` blocks over all backends.
+    pub fn new(total_capacity: usize) -> Self {
+        let n = total_capacity.max(1024) * SLOTS_PER_BLOCK;
+        PreciseIndex {
+            slots: (0..n)
+                .map(|_| Slot {
+                    key: AtomicU64::new(0),
+                    owners: AtomicU64::new(0),
+                    guard: AtomicU64::new(0),
+                    guard_ms: AtomicU32::new(0),
+                })
+                .collect(),
+            held: (0..MAX_BACKENDS).map(|_| Mutex::default()).collect(),
+            held_count: (0..MAX_BACKENDS).map(|_| AtomicUsize::new(0)).collect(),
+        }
+    }
+
+    fn held(&self, backend: usize) -> std::sync::MutexGuard<'_, Held> {
+        self.held[backend].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records blocks `backend`'s engine stored: one chain after `parent`
+    /// (`None`: from `seed`), `block` tokens each. Returns how many were
+    /// indexed.
+    #[allow(clippy::too_many_arguments)]
+    pub fn stored(
+        &self,
+        backend: usize,
+        seed: u64,
+        parent: Option<EngineHash>,
+        hashes: &[EngineHash],
+        tokens: &[u32],
+        block: usize,
+        extra: &[Vec<Vec<u8>>],
+    ) -> Result<usize, StoreMiss> {
+        if block == 0 || tokens.len() != hashes.len() * block {
+            return Err(StoreMiss::TokenCount);
+        }
+        let bit = 1u64 << backend;
+        let mut held = self.held(backend);
+        let mut key = match parent {
+            None => seed,
+            Some(p) => *held.by_engine.get(&p).ok_or(StoreMiss::UnknownParent)?,
+        };
+        for (i, (&h, toks)) in hashes.iter().zip(tokens.chunks_exact(block)).enumerate() {
+            key = block_key(key, toks, extra.get(i).map_or(&[][..], Vec::as_slice));
+            if let Some(old) = held.by_engine.insert(h, key) {
+                // The engine stored a hash it already held: no new block.
+                if old == key {
+                    continue;
+                }
+                Self::unref(&mut held, old, |k| self.drop_owner(k, bit));
+            }
+            *held.refs.entry(key).or_insert(0) += 1;
+            self.find_or_claim(key).owners.fetch_or(bit, Relaxed);
+        }
+        self.held_count[backend].store(held.by_engine.len(), Relaxed);
+        Ok(hashes.len())
+    }
+
+    fn unref(held: &mut Held, key: u64, on_last: impl FnOnce(u64)) {
+        if let Entry::Occupied(mut e) = held.refs.entry(key) {
+            *e.get_mut() -= 1;
+            if *e.get() == 0 {
+                e.remove();
+                on_last(key);
+            }
+        }
+    }
+
+    /// Records blocks `backend`'s engine evicted; returns how many it held.
+    pub fn removed(&self, backend: usize, hashes: &[EngineHash]) -> usize {
+        let bit = 1u64 << backend;
+        let mut held = self.held(backend);
+        let mut n = 0;
+        for h in hashes {
+            if let Some(key) = held.by_engine.remove(h) {
+                n += 1;
+                Self::unref(&mut held, key, |k| self.drop_owner(k, bit));
+            }
+        }
+        self.held_count[backend].store(held.by_engine.len(), Relaxed);
+        n
+    }
+
+    /// Forgets everything `backend`'s engine held (a flush, a restart, or a
+    /// stream that can no longer be trusted).
+    pub fn clear_backend(&self, backend: usize) {
+        let bit = 1u64 << backend;
+        let mut held = self.held(backend);
+        for (&key, _) in held.refs.iter() {
+            self.drop_owner(key, bit);
+        }
+        held.refs = HashMap::new();
+        held.by_engine = HashMap::new();
+        self.held_count[backend].store(0, Relaxed);
+        // And its burst guards: a flushed engine holds nothing just sent.
+        for s in self.slots.iter() {
+            if s.guard.load(Relaxed) & bit != 0 {
+                s.guard.fetch_and(!bit, Relaxed);
+            }
+        }
+    }
+
+    /// Blocks `backend`'s engine holds, as far as its events said (no
+    /// lock; may lag a writer by one event).
+    pub fn held_blocks(&self, backend: usize) -> usize {
+        self.held_count[backend].load(Relaxed)
+    }
+
+    /// Marks `keys` as held by `backend` for the burst guard's time, from
+    /// `now_ms` (ms since the index started).
+    pub fn guard(&self, backend: usize, keys: &[u64], now_ms: u32, burst_ms: u32) {
+        let bit = 1u64 << backend;
+        for &k in keys {
+            let s = self.find_or_claim(k);
+            let fresh = now_ms.wrapping_sub(s.guard_ms.load(Relaxed)) < burst_ms;
+            if fresh {
+                s.guard.fetch_or(bit, Relaxed);
+            } else {
+                s.guard.store(bit, Relaxed);
+            }
+            s.guard_ms.store(now_ms, Relaxed);
+        }
+    }
+
+    /// Writes into `out` how many leading `keys` each backend in
+    /// `candidates` holds (stored, or guarded within `burst_ms` of
+    /// `now_ms`); returns the mask of backends holding the first one.
+    pub fn longest_matches(
+        &self,
+        keys: &[u64],
+        candidates: u64,
+        now_ms: u32,
+        burst_ms: u32,
+        out: &mut Matches,
+    ) -> u64 {
+        let mut alive = candidates;
+        let mut any = 0;
+        for (i, &k) in keys.iter().enumerate() {
+            let owners = self.find(k).map_or(0, |s| {
+                let mut o = s.owners.load(Relaxed);
+                if burst_ms > 0 && now_ms.wrapping_sub(s.guard_ms.load(Relaxed)) < burst_ms {
+                    o |= s.guard.load(Relaxed);
+                }
+                o
+            });
+            for b in bits(alive & !owners) {
+                out[b] = i as u32;
+            }
+            alive &= owners;
+            if i == 0 {
+                any = alive;
+            }
+            if alive == 0 {
+                return any;
+            }
+        }
+        for b in bits(alive) {
+            out[b] = keys.len() as u32;
+        }
+        any
+    }
+
+    fn home(&self, h: u64) -> usize {
+        ((u128::from(h) * self.slots.len() as u128) >> 64) as usize
+    }
+
+    fn probe(&self, h: u64) -> impl Iterator<Item = &Slot> {
+        let home = self.home(h);
+        let n = self.slots.len();
+        (home..home + PROBE).map(move |j| &self.slots[if j >= n { j - n } else { j }])
+    }
+
+    fn find(&self, h: u64) -> Option<&Slot> {
+        self.probe(h).find(|s| s.key.load(Relaxed) == h)
+    }
+
+    /// The slot of `h`, claiming an empty one, or displacing the probed slot
+    /// with the fewest owners when all are taken (its owners' maps keep the
+    /// key; a later removal then finds no slot, which is harmless).
+    fn find_or_claim(&self, h: u64) -> &Slot {
+        if let Some(s) = self.find(h) {
+            return s;
+        }
+        let mut victim: Option<&Slot> = None;
+        let mut fewest = u32::MAX;
+        for s in self.probe(h) {
+            let k = s.key.load(Relaxed);
+            if k == 0 {
+                if s.key.compare_exchange(0, h, Relaxed, Relaxed).is_ok() {
+                    s.owners.store(0, Relaxed);
+                    s.guard.store(0, Relaxed);
+                    return s;
+                }
+                continue;
+            }
+            let o = (s.owners.load(Relaxed) | s.guard.load(Relaxed)).count_ones();
+            if o < fewest {
+                fewest = o;
+                victim = Some(s);
+            }
+        }
+        let v = victim.unwrap_or_else(|| self.probe(h).next().expect("PROBE > 0"));
+        v.key.store(h, Relaxed);
+        v.owners.store(0, Relaxed);
+        v.guard.store(0, Relaxed);
+        v
+    }
+
+    fn drop_owner(&self, key: u64, bit: u64) {
+        if let Some(s) = self.find(key) {
+            let left = s.owners.fetch_and(!bit, Relaxed) & !bit;
+            if left == 0 && s.guard.load(Relaxed) == 0 {
+                let _ = s.key.compare_exchange(key, 0, Relaxed, Relaxed);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::precise::keys::{chain_seed, request_keys};
+
+    fn toks(n: u32) -> Vec<u32> {
+        (0..n).collect()
+    }
+
+    #[test]
+    fn stored_blocks_match_request_keys_and_removal_clears_them() {
+        let idx = PreciseIndex::new(1024);
+        let seed = chain_seed(None);
+        let t = toks(48);
+        idx.stored(2, seed, None, &[10, 11], &t[..32], 16, &[])
+            .unwrap();
+        idx.stored(2, seed, Some(11), &[12], &t[32..], 16, &[])
+            .unwrap();
+        let mut keys = Vec::new();
+        request_keys(seed, &t, 16, &[], &mut keys);
+        let mut m = [0; MAX_BACKENDS];
+        idx.longest_matches(&keys, 0b110, 0, 0, &mut m);
+        assert_eq!((m[1], m[2]), (0, 3));
+        assert_eq!(idx.removed(2, &[11, 999]), 1);
+        let mut m = [0; MAX_BACKENDS];
+        idx.longest_matches(&keys, 0b100, 0, 0, &mut m);
+        assert_eq!(m[2], 1, "block 1 evicted: the match stops there");
+        assert_eq!(
+            idx.stored(2, seed, Some(777), &[13], &t[..16], 16, &[]),
+            Err(StoreMiss::UnknownParent)
+        );
+        idx.clear_backend(2);
+        assert_eq!(idx.held_blocks(2), 0);
+        let mut m = [0; MAX_BACKENDS];
+        assert_eq!(idx.longest_matches(&keys, 0b100, 0, 0, &mut m), 0);
+    }
+
+    #[test]
+    fn the_burst_guard_holds_for_its_time_only() {
+        let idx = PreciseIndex::new(1024);
+        let mut keys = Vec::new();
+        request_keys(chain_seed(None), &toks(32), 16, &[], &mut keys);
+        idx.guard(0, &keys, 1000, 2000);
+        let mut m = [0; MAX_BACKENDS];
+        idx.longest_matches(&keys, 1, 2500, 2000, &mut m);
+        assert_eq!(m[0], 2);
+        let mut m = [0; MAX_BACKENDS];
+        idx.longest_matches(&keys, 1, 3001, 2000, &mut m);
+        assert_eq!(m[0], 0, "expired");
+    }
+}

@@ -1,0 +1,214 @@
+//! Keys of the precise index: one per engine block, chained over the
+//! block's tokens and extra keys, seeded by the namespace (LoRA adapter), so
+//! the router computes, from a request's tokens, the same key the
+//! subscriber computed from the engine's `BlockStored` token ids.
+//!
+//! The router does not recompute the engine's own hashes (they depend on the
+//! engine's hash function, seed and version): it keys blocks by content and
+//! maps engine hashes onto those keys (`index`).
+//!
+//! Tokens of a request: until the router has the model's own tokenizer and
+//! chat template (issue 10, item 1), it tokenizes as `sim-engine` does: the
+//! chat rendered with the ChatML template, text cut into lines and each line
+//! into 4-byte tokens (`tests/src/engine/tokenize.rs`). Against a real vLLM
+//! this gives other tokens than the engine's, so no request matches: precise
+//! mode then routes as if every prompt were cold on its EXACT backends (see
+//! ARCHITECTURE.md, "Precise mode").
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::route::extract::Endpoint;
+use crate::route::hash::namespace_seed;
+
+/// vLLM's default block size on GPUs, in tokens.
+pub const DEFAULT_BLOCK_TOKENS: usize = 16;
+
+/// The chain seed of a sequence's first block: the LoRA adapter's name, or
+/// none for the base model.
+pub fn chain_seed(lora: Option<&str>) -> u64 {
+    namespace_seed(&[b"precise", lora.unwrap_or("").as_bytes()])
+}
+
+/// The key of one block after `parent` (a key, or [`chain_seed`]). Never 0
+/// (the index uses 0 for an empty slot).
+#[inline]
+pub fn block_key(parent: u64, tokens: &[u32], extra: &[Vec<u8>]) -> u64 {
+    let mut bytes = [0u8; 4 * 64];
+    let mut h = parent;
+    // Blocks of up to 64 tokens hash in one call; larger ones in pieces.
+    for piece in tokens.chunks(64) {
+        for (dst, t) in bytes.chunks_exact_mut(4).zip(piece) {
+            dst.copy_from_slice(&t.to_le_bytes());
+        }
+        h = xxh3_64_with_seed(&bytes[..piece.len() * 4], h);
+    }
+    for e in extra {
+        h = xxh3_64_with_seed(e, h ^ e.len() as u64);
+    }
+    h.max(1)
+}
+
+/// Appends the keys of every full block of `tokens` (`block` tokens each) to
+/// `out`, the first block's `first_extra` folded in (the cache salt).
+pub fn request_keys(
+    seed: u64,
+    tokens: &[u32],
+    block: usize,
+    first_extra: &[Vec<u8>],
+    out: &mut Vec<u64>,
+) {
+    let mut h = seed;
+    for (i, b) in tokens.chunks_exact(block.max(1)).enumerate() {
+        h = block_key(h, b, if i == 0 { first_extra } else { &[] });
+        out.push(h);
+    }
+}
+
+/// Start of a message in the ChatML template; the role follows.
+const MSG_START: &[u8] = b"<|im_start|>";
+/// End of a message in the ChatML template.
+const MSG_END: &[u8] = b"<|im_end|>\n";
+/// The generation prompt after the last message.
+const GENERATION_PROMPT: &[u8] = b"<|im_start|>assistant\n";
+/// Bytes per token of `sim-engine`'s tokenizer.
+const BYTES_PER_TOKEN: usize = 4;
+/// `route::extract`'s separators of a chat's canonical form.
+const MESSAGE_START: u8 = 0x1e;
+const ROLE_END: u8 = 0x1f;
+
+/// The engine's tokens for a request whose canonical prompt (as
+/// `route::extract` writes it) is `canonical`, written into `out` (cleared
+/// first); `text` is scratch. For a chat the canonical form (`RS role US
+/// text` per message) is rendered with the ChatML template, then
+/// tokenized; completion text is tokenized as it is; a prompt given as
+/// token ids (`token_ids`) is those ids.
+pub fn engine_tokens(
+    endpoint: Endpoint,
+    canonical: &[u8],
+    token_ids: bool,
+    text: &mut Vec<u8>,
+    out: &mut Vec<u32>,
+) {
+    out.clear();
+    if token_ids && endpoint != Endpoint::Chat {
+        out.extend(
+            canonical
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        );
+        return;
+    }
+    match endpoint {
+        Endpoint::Chat => {
+            text.clear();
+            let starts = memchr::memchr_iter(MESSAGE_START, canonical).chain([canonical.len()]);
+            let mut prev = None;
+            for at in starts {
+                let Some(from) = prev.replace(at + 1) else {
+                    continue;
+                };
+                let msg = &canonical[from..at.min(canonical.len())];
+                let (role, content) = match memchr::memchr(ROLE_END, msg) {
+                    Some(i) => (&msg[..i], &msg[i + 1..]),
+                    None => (msg, &[][..]),
+                };
+                text.extend_from_slice(MSG_START);
+                text.extend_from_slice(role);
+                text.push(b'\n');
+                text.extend_from_slice(content);
+                text.extend_from_slice(MSG_END);
+            }
+            text.extend_from_slice(GENERATION_PROMPT);
+            tokenize_into(text, out);
+        }
+        Endpoint::Completions | Endpoint::Generate => tokenize_into(canonical, out),
+    }
+}
+
+/// `sim-engine`'s tokenizer: lines (each keeping its `\n`) cut into 4-byte
+/// chunks, each read as a little-endian u32.
+fn tokenize_into(text: &[u8], out: &mut Vec<u32>) {
+    out.reserve(text.len() / BYTES_PER_TOKEN + 1);
+    let mut rest = text;
+    while !rest.is_empty() {
+        let end = memchr::memchr(b'\n', rest).map_or(rest.len(), |i| i + 1);
+        let (line, tail) = rest.split_at(end);
+        let chunks = line.chunks_exact(BYTES_PER_TOKEN);
+        let last = chunks.remainder();
+        out.extend(chunks.map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+        if !last.is_empty() {
+            let mut b = [0u8; BYTES_PER_TOKEN];
+            b[..last.len()].copy_from_slice(last);
+            out.push(u32::from_le_bytes(b));
+        }
+        rest = tail;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_renders_chatml_then_four_byte_tokens() {
+        let mut canon = Vec::new();
+        for (role, text) in [("system", "be brief"), ("user", "hi")] {
+            canon.push(MESSAGE_START);
+            canon.extend_from_slice(role.as_bytes());
+            canon.push(ROLE_END);
+            canon.extend_from_slice(text.as_bytes());
+        }
+        let (mut text, mut toks) = (Vec::new(), Vec::new());
+        engine_tokens(Endpoint::Chat, &canon, false, &mut text, &mut toks);
+        assert_eq!(
+            text,
+            b"<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!(toks[0], u32::from_le_bytes(*b"<|im"));
+        // "<|im_start|>system\n" is 19 bytes: 5 tokens, the last "em\n".
+        assert_eq!(toks[4], u32::from_le_bytes([b'e', b'm', b'\n', 0]));
+    }
+
+    /// The engine's tokenizer, written plainly (`tests/src/engine/tokenize.rs`).
+    fn reference(text: &[u8]) -> Vec<u32> {
+        let mut out = Vec::new();
+        for line in text.split_inclusive(|&b| b == b'\n') {
+            out.extend(line.chunks(4).map(|c| {
+                let mut b = [0u8; 4];
+                b[..c.len()].copy_from_slice(c);
+                u32::from_le_bytes(b)
+            }));
+        }
+        out
+    }
+
+    #[test]
+    fn tokens_equal_the_engines_on_awkward_lines() {
+        for text in [
+            "",
+            "\n",
+            "\n\n",
+            "abc",
+            "abcd",
+            "abcde\nfg\n\nhijklmnop",
+            "x\nyz",
+        ] {
+            let mut out = Vec::new();
+            tokenize_into(text.as_bytes(), &mut out);
+            assert_eq!(out, reference(text.as_bytes()), "{text:?}");
+        }
+    }
+
+    #[test]
+    fn keys_chain_and_namespaces_separate() {
+        let toks: Vec<u32> = (0..40).collect();
+        let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+        request_keys(chain_seed(None), &toks, 16, &[], &mut a);
+        request_keys(chain_seed(Some("adapter")), &toks, 16, &[], &mut b);
+        request_keys(chain_seed(None), &toks, 16, &[b"salt".to_vec()], &mut c);
+        assert_eq!(a.len(), 2);
+        assert_eq!(a[1], block_key(a[0], &toks[16..32], &[]));
+        assert!(a.iter().zip(&b).all(|(x, y)| x != y));
+        assert!(a.iter().zip(&c).all(|(x, y)| x != y));
+    }
+}

@@ -1,0 +1,159 @@
+//! Precise mode: follow what each engine's KV cache really holds, from the
+//! engine's own KV-cache event stream (vLLM's, SGLang's), with a confidence
+//! state per backend.
+//!
+//! - [`events`]: decoding event batches, both encodings, tolerantly.
+//! - [`subscriber`]: one thread per backend: the ZMQ subscription, gap
+//!   detection and replay, restart detection.
+//! - [`confidence`]: EXACT / DEGRADED per backend and the stream counters.
+//! - [`index`]: the precise index, keyed by block content, with the burst
+//!   guard.
+//! - [`keys`]: the keys of blocks, and a request's engine tokens.
+//!
+//! Routing reads, per backend, the precise index while that backend is
+//! EXACT and the approximate index (`route::index`, always kept) while it
+//! is DEGRADED. Invariant: nothing here runs on the request path but
+//! [`Precise::matches`] and [`Precise::guard`] (atomics, no lock, no I/O).
+
+pub mod confidence;
+pub mod events;
+pub mod index;
+pub mod keys;
+pub mod metrics;
+pub mod subscriber;
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Instant;
+
+use confidence::{Confidence, Reason, State};
+use events::{Batch, Event};
+use index::{PreciseIndex, StoreMiss};
+
+use crate::route::MAX_BACKENDS;
+use crate::route::index::{Matches, PrefixIndex};
+
+/// Tuning of precise mode (`config::precise`, `[precise]`, documented there).
+#[derive(Clone, Copy, Debug)]
+pub struct Settings {
+    /// Tokens per engine block when an event does not say.
+    pub block_tokens: usize,
+    /// How long a just-routed request's blocks count as held (burst guard).
+    pub burst_ms: u32,
+    /// How long a backend stays DEGRADED after a lost batch.
+    pub recover_ms: u64,
+}
+
+/// The precise index and every backend's confidence.
+pub struct Precise {
+    pub index: PreciseIndex,
+    /// The approximate index: an engine that flushed or restarted holds
+    /// nothing the router sent it either.
+    approx: Arc<PrefixIndex>,
+    pub confidence: Box<[Confidence]>,
+    pub settings: Settings,
+    started: Instant,
+}
+
+impl Precise {
+    pub fn new(total_capacity: usize, settings: Settings, approx: Arc<PrefixIndex>) -> Precise {
+        Precise {
+            index: PreciseIndex::new(total_capacity),
+            approx,
+            confidence: (0..MAX_BACKENDS).map(|_| Confidence::new()).collect(),
+            settings,
+            started: Instant::now(),
+        }
+    }
+
+    /// Milliseconds since start (the clock of the guard and the recovery).
+    pub fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// Whether routing reads the precise index for `slot` now.
+    #[inline]
+    pub fn exact(&self, slot: usize, now_ms: u64) -> bool {
+        self.confidence[slot].state(now_ms) == State::Exact
+    }
+
+    /// Leading blocks of `keys` each backend in `candidates` holds.
+    pub fn matches(&self, keys: &[u64], candidates: u64, now_ms: u64, out: &mut Matches) {
+        self.index
+            .longest_matches(keys, candidates, now_ms as u32, self.settings.burst_ms, out);
+    }
+
+    /// The burst guard: `keys` were just sent to `slot`.
+    pub fn guard(&self, slot: usize, keys: &[u64], now_ms: u64) {
+        if self.settings.burst_ms > 0 {
+            self.index
+                .guard(slot, keys, now_ms as u32, self.settings.burst_ms);
+        }
+    }
+
+    /// Forgets `slot`'s blocks (flush, restart, or a stream no longer trusted).
+    pub fn forget(&self, slot: usize) {
+        self.index.clear_backend(slot);
+        self.confidence[slot].clears.fetch_add(1, Relaxed);
+    }
+
+    /// `slot`'s engine dropped its whole cache (`AllBlocksCleared`, a
+    /// restart): both indexes forget it.
+    pub fn flushed(&self, slot: usize) {
+        self.approx.clear_backend(slot);
+        self.forget(slot);
+    }
+
+    /// A batch of `slot` was lost for good: forget, DEGRADED for a while.
+    pub fn lost(&self, slot: usize, reason: Reason) {
+        self.confidence[slot].lost(reason, self.now_ms() + self.settings.recover_ms);
+        self.forget(slot);
+    }
+
+    /// Applies one decoded batch of `slot` with sequence number `seq`.
+    pub fn apply(&self, slot: usize, seq: u64, batch: &Batch) {
+        let c = &self.confidence[slot];
+        c.skipped_events
+            .fetch_add(u64::from(batch.skipped.unknown_kinds), Relaxed);
+        c.skipped_fields
+            .fetch_add(u64::from(batch.skipped.unknown_fields), Relaxed);
+        c.other_group_events
+            .fetch_add(u64::from(batch.skipped.other_groups), Relaxed);
+        for e in &batch.events {
+            match e {
+                Event::Stored {
+                    hashes,
+                    parent,
+                    token_ids,
+                    block_size,
+                    lora_name,
+                    extra_keys,
+                } => {
+                    let block = block_size.map_or(self.settings.block_tokens, |b| b as usize);
+                    let seed = keys::chain_seed(lora_name.as_deref());
+                    match self
+                        .index
+                        .stored(slot, seed, *parent, hashes, token_ids, block, extra_keys)
+                    {
+                        Ok(_) => {}
+                        Err(StoreMiss::UnknownParent) => {
+                            c.unknown_parents.fetch_add(1, Relaxed);
+                        }
+                        Err(StoreMiss::TokenCount) => {
+                            c.skipped_fields.fetch_add(1, Relaxed);
+                        }
+                    }
+                }
+                Event::Removed { hashes } => {
+                    self.index.removed(slot, hashes);
+                }
+                Event::Cleared => self.flushed(slot),
+            }
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        let lag_us = ((now - batch.ts).max(0.0) * 1e6) as u64;
+        c.applied(seq, lag_us, batch.events.len());
+    }
+}

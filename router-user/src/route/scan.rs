@@ -1,0 +1,1077 @@
+//! One pass over a prompt-carrying JSON body: the whole body is validated as
+//! JSON (a clear 400 otherwise), only the fields routing needs are read, and
+//! the canonical prompt is recorded as pieces of the body itself (plus a
+//! small side buffer for decoded escapes, separators and token ids). No copy
+//! of the body, no document: the block hasher then reads the pieces once.
+//!
+//! `extract::Extractor` (simd-json and serde on a scratch copy) is the
+//! reference: for every body both accept, the seed, the user and the
+//! canonical bytes are equal (`scan/tests.rs`, a property test).
+
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::error::{Kind, RouterError};
+use crate::route::extract::{Endpoint, MESSAGE_START, Prompt, ROLE_END};
+use crate::route::hash::namespace_seed;
+
+/// One piece of the canonical prompt.
+#[derive(Clone, Copy, Debug)]
+enum Piece {
+    /// Bytes `start..end` of the body, as they are.
+    Body(usize, usize),
+    /// Bytes `start..end` of the side buffer.
+    Aux(usize, usize),
+}
+
+/// The canonical prompt of one body, as pieces.
+#[derive(Debug, Default)]
+pub struct Canonical {
+    pieces: Vec<Piece>,
+    aux: Vec<u8>,
+    len: usize,
+    /// Side-buffer bytes merge only into pieces from this one on (a
+    /// message's content is moved behind its header afterwards).
+    merge_from: usize,
+    /// The prompt was given as token ids.
+    token_ids: bool,
+    /// The body's `cache_salt` (empty: none).
+    salt: Vec<u8>,
+}
+
+impl Canonical {
+    /// Bytes of canonical prompt.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn clear(&mut self) {
+        self.pieces.clear();
+        self.aux.clear();
+        self.len = 0;
+        self.merge_from = 0;
+        self.token_ids = false;
+        self.salt.clear();
+    }
+
+    /// Whether the prompt was given as token ids (precise mode tokenizes
+    /// nothing then).
+    pub fn token_ids(&self) -> bool {
+        self.token_ids
+    }
+
+    /// The body's `cache_salt` (empty: none).
+    pub fn salt(&self) -> &[u8] {
+        &self.salt
+    }
+
+    fn body(&mut self, start: usize, end: usize) {
+        if end > start {
+            self.pieces.push(Piece::Body(start, end));
+            self.len += end - start;
+        }
+    }
+
+    fn aux(&mut self, bytes: &[u8]) {
+        if bytes.is_empty() {
+            return;
+        }
+        let start = self.aux.len();
+        self.aux.extend_from_slice(bytes);
+        // Adjacent side-buffer bytes are one piece.
+        let n = self.pieces.len();
+        match self.pieces.last_mut() {
+            Some(Piece::Aux(_, end)) if *end == start && n > self.merge_from => {
+                *end = self.aux.len()
+            }
+            _ => self.pieces.push(Piece::Aux(start, self.aux.len())),
+        }
+        self.len += bytes.len();
+    }
+
+    /// The pieces' bytes in order; `body` is the body scanned.
+    pub fn pieces<'a>(&'a self, body: &'a [u8]) -> impl Iterator<Item = &'a [u8]> + 'a {
+        self.pieces.iter().map(move |p| match *p {
+            Piece::Body(s, e) => &body[s..e],
+            Piece::Aux(s, e) => &self.aux[s..e],
+        })
+    }
+
+    /// Writes the canonical prompt to `out` (cleared first).
+    pub fn write_to(&self, body: &[u8], out: &mut Vec<u8>) {
+        out.clear();
+        out.reserve(self.len);
+        for p in self.pieces(body) {
+            out.extend_from_slice(p);
+        }
+    }
+
+    /// Gives back a side buffer over `keep` bytes.
+    pub fn shrink(&mut self, keep: usize) {
+        if self.aux.capacity() > keep {
+            self.aux = Vec::new();
+        }
+        if self.pieces.capacity() > keep / 16 {
+            self.pieces = Vec::new();
+        }
+    }
+}
+
+/// Reads `body` for `endpoint` into `canon` (cleared first). Errors are 400s
+/// naming the problem.
+pub fn scan(endpoint: Endpoint, body: &[u8], canon: &mut Canonical) -> Result<Prompt, RouterError> {
+    canon.clear();
+    let mut s = Scanner {
+        b: body,
+        i: 0,
+        canon,
+        key: Vec::new(),
+    };
+    let fields = s.top(endpoint).map_err(|e| e.into_error(body))?;
+    let field = |r: Option<Str>| r.map(|s| s.bytes(body, &fields.decoded));
+    let model = field(fields.model).unwrap_or(&[]);
+    let adapter = field(fields.lora_path).unwrap_or(&[]);
+    let salt = field(fields.cache_salt).unwrap_or(&[]);
+    let seed = namespace_seed(&[model, adapter, salt]);
+    canon.salt.extend_from_slice(salt);
+    let user = field(fields.user).map(xxh3_64);
+    match endpoint {
+        Endpoint::Chat if !fields.saw_prompt => Err(RouterError::new(
+            Kind::InvalidBody,
+            "'messages' is required for /v1/chat/completions",
+        )),
+        Endpoint::Completions if !fields.saw_prompt => Err(RouterError::new(
+            Kind::InvalidBody,
+            "'prompt' is required for /v1/completions",
+        )),
+        Endpoint::Generate if !fields.saw_prompt => match fields.input_ids {
+            // `input_ids` came before any `text`: read it now.
+            Some(at) => {
+                let mut again = Scanner {
+                    b: body,
+                    i: at,
+                    canon,
+                    key: Vec::new(),
+                };
+                again
+                    .prompt_input(true, false)
+                    .map_err(|e| e.into_error(body))?;
+                Ok(Prompt { seed, user })
+            }
+            None => Err(RouterError::new(
+                Kind::InvalidBody,
+                "'text' or 'input_ids' is required for /generate",
+            )),
+        },
+        _ => Ok(Prompt { seed, user }),
+    }
+}
+
+/// Why a body was refused, and where.
+struct Bad {
+    at: usize,
+    what: &'static str,
+}
+
+impl Bad {
+    fn into_error(self, body: &[u8]) -> RouterError {
+        let line = 1 + memchr::memchr_iter(b'\n', &body[..self.at.min(body.len())]).count();
+        RouterError::new(
+            Kind::InvalidBody,
+            format!(
+                "request body is not valid JSON: {} at byte {} (line {line})",
+                self.what, self.at
+            ),
+        )
+    }
+}
+
+type Res<T> = Result<T, Bad>;
+
+/// A string value: where its bytes are.
+#[derive(Clone, Copy)]
+enum Str {
+    /// Bytes of the body (no escapes).
+    Raw(usize, usize),
+    /// Bytes of `Fields::decoded`.
+    Decoded(usize, usize),
+}
+
+impl Str {
+    fn bytes<'a>(self, body: &'a [u8], decoded: &'a [u8]) -> &'a [u8] {
+        match self {
+            Str::Raw(s, e) => &body[s..e],
+            Str::Decoded(s, e) => &decoded[s..e],
+        }
+    }
+}
+
+/// The top-level fields routing reads.
+#[derive(Default)]
+struct Fields {
+    model: Option<Str>,
+    user: Option<Str>,
+    cache_salt: Option<Str>,
+    lora_path: Option<Str>,
+    /// Decoded bytes of the fields above that had escapes.
+    decoded: Vec<u8>,
+    /// The endpoint's prompt was read into the canonical form.
+    saw_prompt: bool,
+    /// `/generate`: where `input_ids` starts, when it came before `text`.
+    input_ids: Option<usize>,
+}
+
+/// Which top-level keys were seen (serde refuses duplicates of its fields).
+#[derive(Default)]
+struct Seen {
+    model: bool,
+    messages: bool,
+    prompt: bool,
+    text: bool,
+    input_ids: bool,
+    user: bool,
+    cache_salt: bool,
+    lora_path: bool,
+}
+
+struct Scanner<'a, 'c> {
+    b: &'a [u8],
+    i: usize,
+    canon: &'c mut Canonical,
+    /// A key with escapes, decoded.
+    key: Vec<u8>,
+}
+
+/// Bytes a string's fast scan stops at: the quote, a backslash, a control
+/// character, or a byte of a multi-byte UTF-8 sequence.
+#[inline]
+fn special(c: u8) -> bool {
+    c == b'"' || c == b'\\' || !(0x20..0x80).contains(&c)
+}
+
+/// Bytes scanned at a time: a block the compiler turns into vector compares.
+const LANES: usize = 32;
+
+impl<'a> Scanner<'a, '_> {
+    fn bad<T>(&self, what: &'static str) -> Res<T> {
+        Err(Bad { at: self.i, what })
+    }
+
+    #[inline]
+    fn ws(&mut self) {
+        while let Some(&c) = self.b.get(self.i) {
+            if !matches!(c, b' ' | b'\t' | b'\n' | b'\r') {
+                break;
+            }
+            self.i += 1;
+        }
+    }
+
+    #[inline]
+    fn peek(&mut self) -> Option<u8> {
+        self.ws();
+        self.b.get(self.i).copied()
+    }
+
+    fn eat(&mut self, c: u8, what: &'static str) -> Res<()> {
+        if self.peek() == Some(c) {
+            self.i += 1;
+            Ok(())
+        } else {
+            self.bad(what)
+        }
+    }
+
+    fn top(&mut self, endpoint: Endpoint) -> Res<Fields> {
+        let mut f = Fields::default();
+        let mut seen = Seen::default();
+        self.eat(b'{', "expected an object")?;
+        if self.peek() == Some(b'}') {
+            self.i += 1;
+        } else {
+            loop {
+                let key = self.key_name()?;
+                self.eat(b':', "expected ':'")?;
+                match key {
+                    Key::Model => {
+                        once(&mut seen.model, self)?;
+                        f.model = self.opt_string(&mut f.decoded)?;
+                    }
+                    Key::User => {
+                        once(&mut seen.user, self)?;
+                        f.user = self.opt_string(&mut f.decoded)?;
+                    }
+                    Key::CacheSalt => {
+                        once(&mut seen.cache_salt, self)?;
+                        f.cache_salt = self.opt_string(&mut f.decoded)?;
+                    }
+                    Key::LoraPath => {
+                        once(&mut seen.lora_path, self)?;
+                        f.lora_path = self.opt_string(&mut f.decoded)?;
+                    }
+                    Key::Messages => {
+                        once(&mut seen.messages, self)?;
+                        let write = endpoint == Endpoint::Chat;
+                        f.saw_prompt |= self.messages(write)? && write;
+                    }
+                    Key::Prompt => {
+                        once(&mut seen.prompt, self)?;
+                        let write = endpoint == Endpoint::Completions;
+                        f.saw_prompt |= self.opt_prompt(write)? && write;
+                    }
+                    Key::Text => {
+                        once(&mut seen.text, self)?;
+                        let write = endpoint == Endpoint::Generate;
+                        let wrote = self.opt_prompt(write)?;
+                        if wrote && write {
+                            // A `text` wins over `input_ids` wherever it is.
+                            f.saw_prompt = true;
+                            f.input_ids = None;
+                        }
+                    }
+                    Key::InputIds => {
+                        once(&mut seen.input_ids, self)?;
+                        let at = self.i;
+                        // Read it only if no `text` came first; a `text`
+                        // later replaces it.
+                        let present = self.opt_prompt(false)?;
+                        if endpoint == Endpoint::Generate && present && !f.saw_prompt {
+                            f.input_ids = Some(at);
+                        }
+                    }
+                    Key::Other => self.skip()?,
+                }
+                match self.peek() {
+                    Some(b',') => self.i += 1,
+                    Some(b'}') => {
+                        self.i += 1;
+                        break;
+                    }
+                    _ => return self.bad("expected ',' or '}'"),
+                }
+            }
+        }
+        self.ws();
+        if self.i != self.b.len() {
+            return self.bad("trailing characters after the object");
+        }
+        Ok(f)
+    }
+
+    /// An object key (the opening quote is next).
+    fn key_name(&mut self) -> Res<Key> {
+        if self.peek() != Some(b'"') {
+            return self.bad("expected a key");
+        }
+        let s = self.string(None)?;
+        let name: &[u8] = match s {
+            Str::Raw(a, e) => &self.b[a..e],
+            Str::Decoded(..) => &self.key,
+        };
+        Ok(match name {
+            b"model" => Key::Model,
+            b"messages" => Key::Messages,
+            b"prompt" => Key::Prompt,
+            b"text" => Key::Text,
+            b"input_ids" => Key::InputIds,
+            b"user" => Key::User,
+            b"cache_salt" => Key::CacheSalt,
+            b"lora_path" => Key::LoraPath,
+            _ => Key::Other,
+        })
+    }
+
+    /// A key inside a message, a part or an image URL.
+    fn inner_key(&mut self) -> Res<InnerKey> {
+        if self.peek() != Some(b'"') {
+            return self.bad("expected a key");
+        }
+        let s = self.string(None)?;
+        let name: &[u8] = match s {
+            Str::Raw(a, e) => &self.b[a..e],
+            Str::Decoded(..) => &self.key,
+        };
+        Ok(match name {
+            b"role" => InnerKey::Role,
+            b"content" => InnerKey::Content,
+            b"text" => InnerKey::Text,
+            b"image_url" => InnerKey::ImageUrl,
+            b"url" => InnerKey::Url,
+            _ => InnerKey::Other,
+        })
+    }
+
+    /// A string or null.
+    fn opt_string(&mut self, decoded: &mut Vec<u8>) -> Res<Option<Str>> {
+        match self.peek() {
+            Some(b'"') => self.string(Some(decoded)).map(Some),
+            Some(b'n') => self.literal(b"null").map(|()| None),
+            _ => self.bad("expected a string or null"),
+        }
+    }
+
+    /// A string at the cursor. Escaped strings are decoded into `decoded`
+    /// when given, else into `self.key`.
+    fn string(&mut self, decoded: Option<&mut Vec<u8>>) -> Res<Str> {
+        self.i += 1; // the quote
+        let start = self.i;
+        let mut utf8_from = None;
+        loop {
+            self.fast_scan();
+            match self.b.get(self.i) {
+                None => return self.bad("unterminated string"),
+                Some(b'"') => {
+                    let end = self.i;
+                    self.i += 1;
+                    self.check_utf8(utf8_from, end)?;
+                    return Ok(Str::Raw(start, end));
+                }
+                Some(b'\\') => {
+                    self.check_utf8(utf8_from, self.i)?;
+                    return self.escaped(start, decoded);
+                }
+                Some(&c) if c < 0x20 => return self.bad("control character in a string"),
+                Some(_) => {
+                    utf8_from.get_or_insert(self.i);
+                    self.i += 1;
+                }
+            }
+        }
+    }
+
+    /// Moves the cursor to the next special byte (or the end).
+    #[inline]
+    fn fast_scan(&mut self) {
+        let b = self.b;
+        let mut i = self.i;
+        while i + LANES <= b.len() {
+            let block: &[u8; LANES] = b[i..i + LANES].try_into().expect("LANES bytes");
+            if !block.iter().fold(false, |acc, &c| acc | special(c)) {
+                i += LANES;
+                continue;
+            }
+            break;
+        }
+        while i < b.len() && !special(b[i]) {
+            i += 1;
+        }
+        self.i = i;
+    }
+
+    fn check_utf8(&self, from: Option<usize>, end: usize) -> Res<()> {
+        match from {
+            Some(s) if std::str::from_utf8(&self.b[s..end]).is_err() => Err(Bad {
+                at: s,
+                what: "invalid UTF-8 in a string",
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// The rest of a string that has escapes, from `start` (its first byte)
+    /// with the cursor on the first backslash.
+    fn escaped(&mut self, start: usize, decoded: Option<&mut Vec<u8>>) -> Res<Str> {
+        let mut key = std::mem::take(&mut self.key);
+        let out = match decoded {
+            Some(d) => d,
+            None => {
+                key.clear();
+                &mut key
+            }
+        };
+        let from = out.len();
+        out.extend_from_slice(&self.b[start..self.i]);
+        let r = self.decode_rest(out);
+        let end = out.len();
+        self.key = key;
+        r.map(|()| Str::Decoded(from, end))
+    }
+
+    /// Decodes up to the closing quote into `out`; the cursor is on a backslash.
+    fn decode_rest(&mut self, out: &mut Vec<u8>) -> Res<()> {
+        loop {
+            let seg = self.i;
+            self.fast_scan();
+            let mut utf8_from = None;
+            loop {
+                match self.b.get(self.i) {
+                    Some(&c) if c >= 0x80 => {
+                        utf8_from.get_or_insert(self.i);
+                        self.i += 1;
+                        self.fast_scan();
+                    }
+                    _ => break,
+                }
+            }
+            self.check_utf8(utf8_from, self.i)?;
+            out.extend_from_slice(&self.b[seg..self.i]);
+            match self.b.get(self.i) {
+                None => return self.bad("unterminated string"),
+                Some(b'"') => {
+                    self.i += 1;
+                    return Ok(());
+                }
+                Some(b'\\') => {
+                    self.i += 1;
+                    let Some(&e) = self.b.get(self.i) else {
+                        return self.bad("unterminated string");
+                    };
+                    self.i += 1;
+                    match e {
+                        b'"' => out.push(b'"'),
+                        b'\\' => out.push(b'\\'),
+                        b'/' => out.push(b'/'),
+                        b'b' => out.push(0x08),
+                        b'f' => out.push(0x0c),
+                        b'n' => out.push(b'\n'),
+                        b'r' => out.push(b'\r'),
+                        b't' => out.push(b'\t'),
+                        b'u' => {
+                            let c = self.unicode_escape()?;
+                            let mut buf = [0u8; 4];
+                            out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+                        }
+                        _ => {
+                            self.i -= 1;
+                            return self.bad("invalid escape");
+                        }
+                    }
+                }
+                Some(_) => return self.bad("control character in a string"),
+            }
+        }
+    }
+
+    fn hex4(&mut self) -> Res<u32> {
+        let Some(h) = self.b.get(self.i..self.i + 4) else {
+            return self.bad("truncated \\u escape");
+        };
+        let mut v = 0;
+        for &c in h {
+            let d = match c {
+                b'0'..=b'9' => c - b'0',
+                b'a'..=b'f' => c - b'a' + 10,
+                b'A'..=b'F' => c - b'A' + 10,
+                _ => return self.bad("invalid \\u escape"),
+            };
+            v = v << 4 | u32::from(d);
+        }
+        self.i += 4;
+        Ok(v)
+    }
+
+    /// The code point of `\uXXXX` (the cursor after the `u`), with a
+    /// surrogate pair read whole.
+    fn unicode_escape(&mut self) -> Res<char> {
+        let hi = self.hex4()?;
+        let cp = if (0xD800..0xDC00).contains(&hi) {
+            if self.b.get(self.i..self.i + 2) != Some(b"\\u") {
+                return self.bad("lone surrogate in a \\u escape");
+            }
+            self.i += 2;
+            let lo = self.hex4()?;
+            if !(0xDC00..0xE000).contains(&lo) {
+                return self.bad("lone surrogate in a \\u escape");
+            }
+            0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00)
+        } else if (0xDC00..0xE000).contains(&hi) {
+            return self.bad("lone surrogate in a \\u escape");
+        } else {
+            hi
+        };
+        char::from_u32(cp).ok_or(Bad {
+            at: self.i,
+            what: "invalid \\u escape",
+        })
+    }
+
+    fn literal(&mut self, word: &'static [u8]) -> Res<()> {
+        if self.b.get(self.i..self.i + word.len()) == Some(word) {
+            self.i += word.len();
+            Ok(())
+        } else {
+            self.bad("invalid literal")
+        }
+    }
+
+    /// A number; `Some(v)` when it is an integer that fits a `u32`
+    /// (a token id), `None` for any other number.
+    fn number(&mut self) -> Res<Option<u32>> {
+        let b = self.b;
+        let neg = b.get(self.i) == Some(&b'-');
+        if neg {
+            self.i += 1;
+        }
+        let digits = self.i;
+        match b.get(self.i) {
+            Some(b'0') => self.i += 1,
+            Some(b'1'..=b'9') => {
+                while b.get(self.i).is_some_and(u8::is_ascii_digit) {
+                    self.i += 1;
+                }
+            }
+            _ => return self.bad("invalid number"),
+        }
+        let int_end = self.i;
+        let mut integer = true;
+        if b.get(self.i) == Some(&b'.') {
+            integer = false;
+            self.i += 1;
+            if !b.get(self.i).is_some_and(u8::is_ascii_digit) {
+                return self.bad("invalid number");
+            }
+            while b.get(self.i).is_some_and(u8::is_ascii_digit) {
+                self.i += 1;
+            }
+        }
+        if matches!(b.get(self.i), Some(b'e' | b'E')) {
+            integer = false;
+            self.i += 1;
+            if matches!(b.get(self.i), Some(b'+' | b'-')) {
+                self.i += 1;
+            }
+            if !b.get(self.i).is_some_and(u8::is_ascii_digit) {
+                return self.bad("invalid number");
+            }
+            while b.get(self.i).is_some_and(u8::is_ascii_digit) {
+                self.i += 1;
+            }
+        }
+        if !integer {
+            return Ok(None);
+        }
+        let text = &b[digits..int_end];
+        if neg {
+            // -0 is 0; any other negative is no token id.
+            return Ok((text == b"0").then_some(0));
+        }
+        if text.len() > 10 {
+            return Ok(None);
+        }
+        let v = text.iter().fold(0u64, |v, &d| v * 10 + u64::from(d - b'0'));
+        Ok(u32::try_from(v).ok())
+    }
+
+    /// Skips any value, validating it, without recursion.
+    fn skip(&mut self) -> Res<()> {
+        // Open containers: true for an object.
+        let mut stack: Vec<bool> = Vec::new();
+        loop {
+            // A value.
+            match self.peek() {
+                Some(b'{') => {
+                    self.i += 1;
+                    if self.peek() == Some(b'}') {
+                        self.i += 1;
+                    } else {
+                        stack.push(true);
+                        self.skip_key()?;
+                        continue;
+                    }
+                }
+                Some(b'[') => {
+                    self.i += 1;
+                    if self.peek() == Some(b']') {
+                        self.i += 1;
+                    } else {
+                        stack.push(false);
+                        continue;
+                    }
+                }
+                Some(b'"') => {
+                    self.skip_string()?;
+                }
+                Some(b't') => self.literal(b"true")?,
+                Some(b'f') => self.literal(b"false")?,
+                Some(b'n') => self.literal(b"null")?,
+                Some(b'-' | b'0'..=b'9') => {
+                    self.number()?;
+                }
+                _ => return self.bad("expected a value"),
+            }
+            // After a value: close containers or go to the next element.
+            loop {
+                let Some(&object) = stack.last() else {
+                    return Ok(());
+                };
+                match self.peek() {
+                    Some(b',') => {
+                        self.i += 1;
+                        if object {
+                            self.skip_key()?;
+                        }
+                        break;
+                    }
+                    Some(b'}') if object => {
+                        self.i += 1;
+                        stack.pop();
+                    }
+                    Some(b']') if !object => {
+                        self.i += 1;
+                        stack.pop();
+                    }
+                    _ => return self.bad("expected ',' or the end of a container"),
+                }
+            }
+        }
+    }
+
+    fn skip_key(&mut self) -> Res<()> {
+        if self.peek() != Some(b'"') {
+            return self.bad("expected a key");
+        }
+        self.skip_string()?;
+        self.eat(b':', "expected ':'")
+    }
+
+    /// Skips a string, validating its escapes and UTF-8.
+    fn skip_string(&mut self) -> Res<()> {
+        let mut scratch = std::mem::take(&mut self.key);
+        scratch.clear();
+        let r = self.string(Some(&mut scratch)).map(|_| ());
+        self.key = scratch;
+        r
+    }
+
+    /// A string whose bytes go to the canonical prompt when `write`.
+    fn canon_string(&mut self, write: bool) -> Res<()> {
+        if !write {
+            return self.skip_string();
+        }
+        let mut dec = std::mem::take(&mut self.key);
+        dec.clear();
+        let r = self.string(Some(&mut dec));
+        let r = r.map(|s| match s {
+            Str::Raw(a, e) => self.canon.body(a, e),
+            Str::Decoded(a, e) => self.canon.aux(&dec[a..e]),
+        });
+        self.key = dec;
+        r
+    }
+
+    /// `messages`: null (returns false) or an array of messages.
+    fn messages(&mut self, write: bool) -> Res<bool> {
+        match self.peek() {
+            Some(b'n') => return self.literal(b"null").map(|()| false),
+            Some(b'[') => self.i += 1,
+            _ => return self.bad("'messages' must be an array"),
+        }
+        if self.peek() == Some(b']') {
+            self.i += 1;
+            return Ok(true);
+        }
+        loop {
+            self.message(write)?;
+            match self.peek() {
+                Some(b',') => self.i += 1,
+                Some(b']') => {
+                    self.i += 1;
+                    return Ok(true);
+                }
+                _ => return self.bad("expected ',' or ']'"),
+            }
+        }
+    }
+
+    /// One message: `RS role US content`. The role is required, its place
+    /// among the keys free, so the content's pieces are put after it.
+    fn message(&mut self, write: bool) -> Res<()> {
+        if self.peek() != Some(b'{') {
+            return self.bad("a message must be an object");
+        }
+        self.i += 1;
+        let mark = self.canon.pieces.len();
+        let len_before = self.canon.len;
+        self.canon.merge_from = mark;
+        let mut role: Option<Str> = None;
+        let mut role_buf = Vec::new();
+        let mut content_seen = false;
+        if self.peek() == Some(b'}') {
+            self.i += 1;
+        } else {
+            loop {
+                let key = self.inner_key()?;
+                self.eat(b':', "expected ':'")?;
+                match key {
+                    InnerKey::Role => {
+                        if role.is_some() {
+                            return self.bad("duplicate field 'role'");
+                        }
+                        if self.peek() != Some(b'"') {
+                            return self.bad("'role' must be a string");
+                        }
+                        role = Some(self.string(Some(&mut role_buf))?);
+                    }
+                    InnerKey::Content => {
+                        if content_seen {
+                            return self.bad("duplicate field 'content'");
+                        }
+                        content_seen = true;
+                        self.content(write)?;
+                    }
+                    _ => self.skip()?,
+                }
+                match self.peek() {
+                    Some(b',') => self.i += 1,
+                    Some(b'}') => {
+                        self.i += 1;
+                        break;
+                    }
+                    _ => return self.bad("expected ',' or '}'"),
+                }
+            }
+        }
+        let Some(role) = role else {
+            return self.bad("a message lacks its 'role'");
+        };
+        if write {
+            // The content's pieces (pushed since `mark`) go after the header.
+            let content: Vec<Piece> = self.canon.pieces.drain(mark..).collect();
+            self.canon.len = len_before;
+            self.canon.merge_from = 0;
+            self.canon.aux(&[MESSAGE_START]);
+            match role {
+                Str::Raw(a, e) => self.canon.body(a, e),
+                Str::Decoded(a, e) => self.canon.aux(&role_buf[a..e]),
+            }
+            self.canon.aux(&[ROLE_END]);
+            for p in content {
+                let n = match p {
+                    Piece::Body(s, e) | Piece::Aux(s, e) => e - s,
+                };
+                self.canon.pieces.push(p);
+                self.canon.len += n;
+            }
+        }
+        self.canon.merge_from = 0;
+        Ok(())
+    }
+
+    /// A message's content: null, a string, or an array of parts.
+    fn content(&mut self, write: bool) -> Res<()> {
+        match self.peek() {
+            Some(b'n') => self.literal(b"null"),
+            Some(b'"') => self.canon_string(write),
+            Some(b'[') => {
+                self.i += 1;
+                if self.peek() == Some(b']') {
+                    self.i += 1;
+                    return Ok(());
+                }
+                loop {
+                    self.part(write)?;
+                    match self.peek() {
+                        Some(b',') => self.i += 1,
+                        Some(b']') => {
+                            self.i += 1;
+                            return Ok(());
+                        }
+                        _ => return self.bad("expected ',' or ']'"),
+                    }
+                }
+            }
+            _ => self.bad("'content' must be a string, an array of parts or null"),
+        }
+    }
+
+    /// A content part: its `text`, else its `image_url.url`.
+    fn part(&mut self, write: bool) -> Res<()> {
+        if self.peek() != Some(b'{') {
+            return self.bad("a content part must be an object");
+        }
+        self.i += 1;
+        let mut text: Option<Str> = None;
+        let mut url: Option<Str> = None;
+        let mut bufs = (Vec::new(), Vec::new());
+        let (mut saw_text, mut saw_image) = (false, false);
+        if self.peek() == Some(b'}') {
+            self.i += 1;
+        } else {
+            loop {
+                let key = self.inner_key()?;
+                self.eat(b':', "expected ':'")?;
+                match key {
+                    InnerKey::Text => {
+                        if std::mem::replace(&mut saw_text, true) {
+                            return self.bad("duplicate field 'text'");
+                        }
+                        text = self.opt_string(&mut bufs.0)?;
+                    }
+                    InnerKey::ImageUrl => {
+                        if std::mem::replace(&mut saw_image, true) {
+                            return self.bad("duplicate field 'image_url'");
+                        }
+                        url = self.image_url(&mut bufs.1)?;
+                    }
+                    _ => self.skip()?,
+                }
+                match self.peek() {
+                    Some(b',') => self.i += 1,
+                    Some(b'}') => {
+                        self.i += 1;
+                        break;
+                    }
+                    _ => return self.bad("expected ',' or '}'"),
+                }
+            }
+        }
+        if write {
+            match (text, url) {
+                (Some(Str::Raw(a, e)), _) | (None, Some(Str::Raw(a, e))) => self.canon.body(a, e),
+                (Some(Str::Decoded(a, e)), _) => self.canon.aux(&bufs.0[a..e]),
+                (None, Some(Str::Decoded(a, e))) => self.canon.aux(&bufs.1[a..e]),
+                (None, None) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// `image_url`: null or an object with a string `url`.
+    fn image_url(&mut self, buf: &mut Vec<u8>) -> Res<Option<Str>> {
+        match self.peek() {
+            Some(b'n') => return self.literal(b"null").map(|()| None),
+            Some(b'{') => self.i += 1,
+            _ => return self.bad("'image_url' must be an object"),
+        }
+        let mut url = None;
+        if self.peek() == Some(b'}') {
+            self.i += 1;
+        } else {
+            loop {
+                let key = self.inner_key()?;
+                self.eat(b':', "expected ':'")?;
+                match key {
+                    InnerKey::Url => {
+                        if url.is_some() {
+                            return self.bad("duplicate field 'url'");
+                        }
+                        if self.peek() != Some(b'"') {
+                            return self.bad("'url' must be a string");
+                        }
+                        url = Some(self.string(Some(buf))?);
+                    }
+                    _ => self.skip()?,
+                }
+                match self.peek() {
+                    Some(b',') => self.i += 1,
+                    Some(b'}') => {
+                        self.i += 1;
+                        break;
+                    }
+                    _ => return self.bad("expected ',' or '}'"),
+                }
+            }
+        }
+        match url {
+            Some(u) => Ok(Some(u)),
+            None => self.bad("'image_url' lacks its 'url'"),
+        }
+    }
+
+    /// `prompt`, `text` or `input_ids`: null (false), or a prompt.
+    fn opt_prompt(&mut self, write: bool) -> Res<bool> {
+        if self.peek() == Some(b'n') {
+            return self.literal(b"null").map(|()| false);
+        }
+        self.prompt_input(write, false).map(|()| true)
+    }
+
+    /// A string, token ids, or a batch of either; a batch counts by its
+    /// first prompt. `nested`: inside a batch already.
+    fn prompt_input(&mut self, write: bool, nested: bool) -> Res<()> {
+        match self.peek() {
+            Some(b'"') => return self.canon_string(write),
+            Some(b'[') => self.i += 1,
+            _ => return self.bad("a prompt must be a string, an array of strings or token ids"),
+        }
+        if self.peek() == Some(b']') {
+            self.i += 1;
+            return Ok(());
+        }
+        match self.peek() {
+            Some(b'-' | b'0'..=b'9') => return self.tokens(write),
+            Some(b'"') if !nested => self.canon_string(write)?,
+            Some(b'[') if !nested => self.prompt_input(write, true)?,
+            Some(b'"' | b'[') => return self.bad("prompt arrays nest too deep"),
+            _ => return self.bad("expected a token id, a string or an array of token ids"),
+        }
+        // The rest of a batch: any values.
+        loop {
+            match self.peek() {
+                Some(b',') => {
+                    self.i += 1;
+                    self.skip()?;
+                }
+                Some(b']') => {
+                    self.i += 1;
+                    return Ok(());
+                }
+                _ => return self.bad("expected ',' or ']'"),
+            }
+        }
+    }
+
+    /// Token ids (the cursor on the first), each a u32, little-endian in
+    /// the canonical form.
+    fn tokens(&mut self, write: bool) -> Res<()> {
+        loop {
+            self.ws();
+            let Some(t) = self.number()? else {
+                return self.bad("token ids must be integers from 0 to 4294967295");
+            };
+            if write {
+                self.canon.token_ids = true;
+                self.canon.aux(&t.to_le_bytes());
+            }
+            match self.peek() {
+                Some(b',') => self.i += 1,
+                Some(b']') => {
+                    self.i += 1;
+                    return Ok(());
+                }
+                _ => return self.bad("expected ',' or ']'"),
+            }
+            if !matches!(self.peek(), Some(b'-' | b'0'..=b'9')) {
+                return self.bad("token ids must be integers from 0 to 4294967295");
+            }
+        }
+    }
+}
+
+/// A field seen twice is refused, as serde refuses it.
+fn once(seen: &mut bool, s: &Scanner) -> Res<()> {
+    if std::mem::replace(seen, true) {
+        s.bad("duplicate field")
+    } else {
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Key {
+    Model,
+    Messages,
+    Prompt,
+    Text,
+    InputIds,
+    User,
+    CacheSalt,
+    LoraPath,
+    Other,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum InnerKey {
+    Role,
+    Content,
+    Text,
+    ImageUrl,
+    Url,
+    Other,
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,289 @@
+use super::*;
+use crate::route::extract::Extractor;
+use crate::route::hash::{block_hashes, block_hashes_pieces};
+use proptest::prelude::*;
+use serde_json::{Value, json};
+
+/// What the reference extractor says of a body.
+fn oracle(ep: Endpoint, body: &[u8]) -> Result<(Vec<u8>, Prompt), u16> {
+    oracle_full(ep, body).map(|(c, p, ..)| (c, p))
+}
+
+/// The reference's reading with its salt and whether it read token ids.
+fn oracle_full(ep: Endpoint, body: &[u8]) -> Result<(Vec<u8>, Prompt, Vec<u8>, bool), u16> {
+    let mut out = Vec::new();
+    let mut ex = Extractor::default();
+    let p = ex.extract(ep, body, &mut out).map_err(|e| e.status())?;
+    Ok((out, p, ex.salt().to_vec(), ex.token_ids()))
+}
+
+/// What the scanner says of it, the canonical form written out.
+fn scanned(ep: Endpoint, body: &[u8]) -> Result<(Vec<u8>, Prompt), u16> {
+    scanned_full(ep, body).map(|(c, p, ..)| (c, p))
+}
+
+fn scanned_full(ep: Endpoint, body: &[u8]) -> Result<(Vec<u8>, Prompt, Vec<u8>, bool), u16> {
+    let mut c = Canonical::default();
+    let p = scan(ep, body, &mut c).map_err(|e| e.status())?;
+    let mut out = Vec::new();
+    c.write_to(body, &mut out);
+    assert_eq!(out.len(), c.len());
+    Ok((out, p, c.salt().to_vec(), c.token_ids()))
+}
+
+fn agree(ep: Endpoint, body: &[u8]) -> Result<(), TestCaseError> {
+    let (a, b) = (oracle_full(ep, body), scanned_full(ep, body));
+    prop_assert_eq!(&a, &b, "{:?} on {:?}", ep, String::from_utf8_lossy(body));
+    Ok(())
+}
+
+fn endpoints() -> impl Strategy<Value = Endpoint> {
+    prop_oneof![
+        Just(Endpoint::Chat),
+        Just(Endpoint::Completions),
+        Just(Endpoint::Generate)
+    ]
+}
+
+/// Strings with what JSON escapes: quotes, backslashes, controls, non-ASCII
+/// (two, three and four bytes), so both escaped and raw forms occur.
+fn text() -> impl Strategy<Value = String> {
+    prop_oneof![
+        "[a-z ]{0,80}",
+        "[a-zé中😀\"\\\\/\n\t\u{1}\u{7f} ]{0,40}",
+        Just(String::new()),
+    ]
+}
+
+fn opt_text() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        text().prop_map(Value::String),
+        Just(Value::Null),
+        Just(json!(7)),
+    ]
+}
+
+fn part() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        text().prop_map(|t| json!({"type": "text", "text": t})),
+        text().prop_map(|u| json!({"type": "image_url", "image_url": {"url": u, "detail": "low"}})),
+        text().prop_map(|u| json!({"text": null, "image_url": {"url": u}})),
+        Just(json!({"type": "input_audio"})),
+        Just(json!({"image_url": {"detail": "no url"}})),
+        Just(json!("a bare string")),
+    ]
+}
+
+fn content() -> impl Strategy<Value = Option<Value>> {
+    prop_oneof![
+        text().prop_map(|t| Some(Value::String(t))),
+        proptest::collection::vec(part(), 0..4).prop_map(|p| Some(Value::Array(p))),
+        Just(Some(Value::Null)),
+        Just(None),
+        Just(Some(json!(3))),
+    ]
+}
+
+fn message() -> impl Strategy<Value = Value> {
+    (
+        prop_oneof![
+            "(system|user|assistant|tool)".prop_map(Value::String),
+            Just(Value::Null),
+        ],
+        content(),
+        any::<bool>(),
+        any::<bool>(),
+    )
+        .prop_map(|(role, content, content_first, extra)| {
+            let mut m = serde_json::Map::new();
+            let role_entry = (!role.is_null()).then(|| ("role".to_owned(), role));
+            let content_entry = content.map(|c| ("content".to_owned(), c));
+            let (first, second) = if content_first {
+                (content_entry, role_entry)
+            } else {
+                (role_entry, content_entry)
+            };
+            for (k, v) in first.into_iter().chain(second) {
+                m.insert(k, v);
+            }
+            if extra {
+                m.insert("name".into(), json!({"nested": [1, 2.5, -3e2, true, null]}));
+            }
+            Value::Object(m)
+        })
+}
+
+fn tokens() -> impl Strategy<Value = Value> {
+    proptest::collection::vec(
+        prop_oneof![
+            (0u32..100_000).prop_map(Value::from),
+            Just(Value::from(u32::MAX)),
+            Just(Value::from(u64::from(u32::MAX) + 1)),
+            Just(json!(-1)),
+            Just(json!(1.5)),
+        ],
+        1..20,
+    )
+    .prop_map(Value::Array)
+}
+
+fn prompt() -> impl Strategy<Value = Value> {
+    prop_oneof![
+        text().prop_map(Value::String),
+        tokens(),
+        proptest::collection::vec(text().prop_map(Value::String), 0..3).prop_map(Value::Array),
+        proptest::collection::vec(tokens(), 1..3).prop_map(Value::Array),
+        Just(json!([["nested too deep"]])),
+        Just(json!([[]])),
+        Just(Value::Null),
+        Just(json!({"not": "a prompt"})),
+    ]
+}
+
+/// Request bodies, valid and not, with fields in any order.
+fn body() -> impl Strategy<Value = Vec<u8>> {
+    (
+        proptest::option::of(opt_text()),
+        proptest::option::of(prop_oneof![
+            proptest::collection::vec(message(), 0..5).prop_map(Value::Array),
+            Just(Value::Null),
+            Just(json!("not messages")),
+        ]),
+        proptest::option::of(prompt()),
+        proptest::option::of(prompt()),
+        proptest::option::of(prompt()),
+        (
+            proptest::option::of(opt_text()),
+            proptest::option::of(opt_text()),
+            proptest::option::of(opt_text()),
+        ),
+        any::<u64>(),
+        any::<bool>(),
+    )
+        .prop_map(
+            |(model, messages, prompt, text_, ids, (user, salt, lora), order, pretty)| {
+                let mut fields: Vec<(&str, Value)> = [
+                    ("model", model),
+                    ("messages", messages),
+                    ("prompt", prompt),
+                    ("text", text_),
+                    ("input_ids", ids),
+                    ("user", user),
+                    ("cache_salt", salt),
+                    ("lora_path", lora),
+                    ("stream", Some(json!(true))),
+                    ("max_tokens", Some(json!(16))),
+                ]
+                .into_iter()
+                .filter_map(|(k, v)| v.map(|v| (k, v)))
+                .collect();
+                // A field order from `order`.
+                let n = fields.len();
+                for i in (1..n).rev() {
+                    let j = ((order >> (i % 60)) as usize) % (i + 1);
+                    fields.swap(i, j);
+                }
+                let map: serde_json::Map<String, Value> =
+                    fields.into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+                let v = Value::Object(map);
+                if pretty {
+                    serde_json::to_vec_pretty(&v).expect("serializable")
+                } else {
+                    serde_json::to_vec(&v).expect("serializable")
+                }
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// The scanner accepts what the reference accepts, refuses what it
+    /// refuses, and writes the same canonical prompt, seed and user.
+    #[test]
+    fn the_scanner_reads_what_the_reference_reads(ep in endpoints(), b in body()) {
+        agree(ep, &b)?;
+    }
+
+    /// Broken bodies (a byte changed, a cut) are refused alike, and
+    /// whatever both accept reads alike.
+    #[test]
+    fn broken_bodies_are_judged_alike(ep in endpoints(), b in body(), at in any::<prop::sample::Index>(),
+                                      byte in prop_oneof![Just(b'"'), Just(b'\\'), Just(b','), Just(b'}'),
+                                                          Just(b']'), Just(b'{'), Just(0x01u8), Just(0xffu8),
+                                                          Just(b'1'), Just(b' ')],
+                                      cut in any::<bool>()) {
+        let mut b = b;
+        let i = at.index(b.len());
+        if cut {
+            b.truncate(i);
+        } else {
+            b[i] = byte;
+        }
+        agree(ep, &b)?;
+    }
+
+    /// The hashes routing takes from the pieces are the reference's.
+    #[test]
+    fn block_hashes_equal_the_reference(b in body(), block in 1usize..80) {
+        if let (Ok((canon, p)), true) = (oracle(Endpoint::Chat, &b), true) {
+            let mut c = Canonical::default();
+            scan(Endpoint::Chat, &b, &mut c).expect("the reference accepted it");
+            let (mut want, mut got, mut carry) = (Vec::new(), Vec::new(), Vec::new());
+            block_hashes(p.seed, &canon, block, &mut want);
+            block_hashes_pieces(p.seed, c.pieces(&b), block, &mut carry, &mut got);
+            prop_assert_eq!(want, got);
+        }
+    }
+}
+
+#[test]
+fn errors_say_where() {
+    let mut c = Canonical::default();
+    let e = scan(
+        Endpoint::Chat,
+        b"{\"messages\": [\n {\"role\": \"user\", \"content\": \"hi\"\n ]}",
+        &mut c,
+    )
+    .unwrap_err();
+    assert_eq!(e.status(), 400);
+    assert!(e.message.contains("line 3"), "{}", e.message);
+    for bad in [
+        &b""[..],
+        b"[]",
+        b"{\"messages\": []} x",
+        b"{\"messages\": [], \"messages\": []}",
+        b"{\"model\": \"\\ud800\", \"messages\": []}",
+        b"{\"messages\": [{\"content\": \"no role\"}]}",
+    ] {
+        assert!(scan(Endpoint::Chat, bad, &mut c).is_err(), "{bad:?}");
+    }
+}
+
+#[test]
+fn a_long_prompt_is_pieces_of_the_body() {
+    let text = "lorem ipsum ".repeat(40_000);
+    let body = serde_json::to_vec(&json!({
+        "model": "m",
+        "messages": [{"role": "system", "content": text}, {"role": "user", "content": "hi"}],
+    }))
+    .unwrap();
+    let mut c = Canonical::default();
+    scan(Endpoint::Chat, &body, &mut c).unwrap();
+    // Separators and roles aside, nothing was copied.
+    assert!(c.aux.len() < 64, "{} bytes copied", c.aux.len());
+    assert_eq!(c.len(), text.len() + "system".len() + "user".len() + 2 + 4);
+}
+
+#[test]
+fn messages_and_bodies_must_be_objects() {
+    // serde would read a struct from an array, positionally (the reference
+    // accepts these); the scanner wants objects, as the OpenAI API defines
+    // them, and says so.
+    for body in [
+        &br#"{"messages": [["user", "hi"]]}"#[..],
+        br#"["m", [{"role": "user", "content": "hi"}]]"#,
+    ] {
+        assert_eq!(scanned(Endpoint::Chat, body).map(|_| ()), Err(400));
+    }
+}
