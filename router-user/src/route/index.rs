@@ -27,7 +27,7 @@ pub const NOT_FOUND: u32 = u32::MAX;
 
 /// A run of up to this many blocks a backend seems to lack (their slots
 /// displaced from a full window) does not end its match if it holds a
-/// later block.
+/// later block. (The lookup keeps one mask per block of the run.)
 const MAX_GAP: usize = 2;
 
 /// Slots a key may sit in: two buckets (see `PrefixIndex::window`); past
@@ -133,33 +133,38 @@ impl PrefixIndex {
         found.clear();
         let mut alive = candidates;
         let mut any = 0;
-        // Each backend's match so far: blocks up to the last one it holds.
-        let mut held_to = [0u32; MAX_BACKENDS];
+        // Alive backends that lacked the last block, and the last two. A
+        // backend that holds a later block was sent these too (the hashes
+        // are chained): such a short run (slots displaced from a full
+        // window, re-claimed for another backend) is bridged; a run longer
+        // than `MAX_GAP` ends its match before the run.
+        let (mut lack1, mut lack2) = (0u64, 0u64);
         for (i, &h) in hashes.iter().enumerate() {
             let slot = self.find_index(h);
             found.push(slot.map_or(NOT_FOUND, |j| j as u32));
             let owners = slot.map_or(0, |j| self.slots[j].owners.load(Relaxed));
-            let held = alive & owners;
-            any |= held;
-            for b in bits(held) {
-                held_to[b] = i as u32 + 1;
+            any |= alive & owners;
+            let lacking = alive & !owners;
+            let ended = lacking & lack2;
+            for b in bits(ended) {
+                out[b] = (i - MAX_GAP) as u32;
             }
-            // A backend that holds a later block was sent this one too (the
-            // hashes are chained): a short run of blocks it seems to lack
-            // (displaced from a full window, re-claimed for another
-            // backend) is bridged. A longer run ends its match.
-            for b in bits(alive & !owners) {
-                if i + 1 - held_to[b] as usize > MAX_GAP {
-                    alive &= !(1 << b);
-                    out[b] = held_to[b];
-                }
-            }
+            alive &= !ended;
+            lack2 = lacking & lack1 & alive;
+            lack1 = lacking & alive;
             if alive == 0 {
                 return any;
             }
         }
+        let n = hashes.len();
         for b in bits(alive) {
-            out[b] = held_to[b];
+            out[b] = if lack2 & (1 << b) != 0 {
+                n - 2
+            } else if lack1 & (1 << b) != 0 {
+                n - 1
+            } else {
+                n
+            } as u32;
         }
         any
     }
@@ -323,31 +328,38 @@ impl PrefixIndex {
         self.slots.len() * std::mem::size_of::<Slot>() + rings
     }
 
-    /// The `PROBE` slots a key may sit in: a bucket of `BUCKET` slots at
-    /// each of two homes from independent bits of the key. An insert takes
-    /// the emptier bucket (two choices keep buckets evenly filled, so a full
-    /// window stays rare even past half load, unlike one linear run).
+    /// The homes of a key's two buckets of `BUCKET` slots, from independent
+    /// bits of the key. An insert takes the emptier bucket (two choices keep
+    /// buckets evenly filled, so a full window stays rare even past half
+    /// load, unlike one linear run).
     #[inline]
-    fn window(&self, h: u64) -> [usize; PROBE] {
-        let n = self.slots.len();
+    fn homes(&self, h: u64) -> [usize; 2] {
+        let n = self.slots.len() as u128;
         // Multiply-shift maps a hash onto any table size without a division.
-        let home = |x: u64| ((u128::from(x) * n as u128) >> 64) as usize;
-        let homes = [home(h), home(h.rotate_left(29) ^ 0x9e37_79b9_7f4a_7c15)];
-        let mut w = [0; PROBE];
-        for (k, slot) in w.iter_mut().enumerate() {
-            let j = homes[k / BUCKET] + k % BUCKET;
-            *slot = if j >= n { j - n } else { j };
+        let home = |x: u64| ((u128::from(x) * n) >> 64) as usize;
+        [home(h), home(h.rotate_left(29) ^ 0x9e37_79b9_7f4a_7c15)]
+    }
+
+    /// Slot `k` (of `PROBE`) of the window of a key with `homes`.
+    #[inline]
+    fn at(&self, homes: [usize; 2], k: usize) -> usize {
+        let j = homes[k / BUCKET] + k % BUCKET;
+        if j >= self.slots.len() {
+            j - self.slots.len()
+        } else {
+            j
         }
-        w
     }
 
     fn find(&self, h: u64) -> Option<&Slot> {
         self.find_index(h).map(|j| &self.slots[j])
     }
 
+    #[inline]
     fn find_index(&self, h: u64) -> Option<usize> {
-        self.window(h)
-            .into_iter()
+        let homes = self.homes(h);
+        (0..PROBE)
+            .map(|k| self.at(homes, k))
             .find(|&j| self.slots[j].key.load(Relaxed) == h)
     }
 
@@ -357,13 +369,17 @@ impl PrefixIndex {
         if let Some(s) = self.find(h) {
             return s;
         }
-        let w = self.window(h);
-        let empty = |k: usize| self.slots[w[k]].key.load(Relaxed) == 0;
-        let free = |bucket: usize| (0..BUCKET).filter(|&i| empty(bucket * BUCKET + i)).count();
+        let homes = self.homes(h);
+        let slot = |k: usize| &self.slots[self.at(homes, k)];
+        let free = |bucket: usize| {
+            (0..BUCKET)
+                .filter(|&i| slot(bucket * BUCKET + i).key.load(Relaxed) == 0)
+                .count()
+        };
         let order = if free(1) > free(0) { [1, 0] } else { [0, 1] };
         for bucket in order {
             for i in 0..BUCKET {
-                let s = &self.slots[w[bucket * BUCKET + i]];
+                let s = slot(bucket * BUCKET + i);
                 if s.key.load(Relaxed) == 0
                     && s.key.compare_exchange(0, h, Relaxed, Relaxed).is_ok()
                 {
@@ -374,12 +390,12 @@ impl PrefixIndex {
                 }
             }
         }
-        let mut victim = &self.slots[w[0]];
+        let mut victim = slot(0);
         let mut victim_owners = u32::MAX;
-        for &j in &w {
-            let owners = self.slots[j].owners.load(Relaxed).count_ones();
+        for k in 0..PROBE {
+            let owners = slot(k).owners.load(Relaxed).count_ones();
             if owners < victim_owners {
-                victim = &self.slots[j];
+                victim = slot(k);
                 victim_owners = owners;
             }
         }

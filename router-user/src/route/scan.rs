@@ -249,7 +249,9 @@ struct Scanner<'a, 'c> {
 /// character, or a byte of a multi-byte UTF-8 sequence.
 #[inline]
 fn special(c: u8) -> bool {
-    c == b'"' || c == b'\\' || !(0x20..0x80).contains(&c)
+    // Bitwise, not short-circuit: the block scan below compiles to vector
+    // compares. `c - 0x20 >= 0x60` is `c < 0x20 || c >= 0x80`.
+    (c == b'"') | (c == b'\\') | (c.wrapping_sub(0x20) >= 0x60)
 }
 
 /// Bytes scanned at a time: a block the compiler turns into vector compares.
@@ -449,7 +451,7 @@ impl<'a> Scanner<'a, '_> {
         let mut i = self.i;
         while i + LANES <= b.len() {
             let block: &[u8; LANES] = b[i..i + LANES].try_into().expect("LANES bytes");
-            if !block.iter().fold(false, |acc, &c| acc | special(c)) {
+            if block.iter().fold(0u8, |acc, &c| acc | u8::from(special(c))) == 0 {
                 i += LANES;
                 continue;
             }
