@@ -22,6 +22,13 @@ use std::time::{Duration, Instant};
 use testkit::llama_proc::{self, LlamaPaths, MODEL_ALIAS};
 use testkit::workload::{Record, RunConfig, Scenario, ScenarioKind, Summary};
 
+/// Mean think time between a conversation's turns (exponential), in ms.
+/// People read an answer before they reply. Without it (`--think-ms 0`) a
+/// closed loop of as many users as slots hands least-request the cache for
+/// free: the engine with the fewest requests in flight is the one whose
+/// answer just came back, i.e. the conversation's own.
+pub const DEFAULT_THINK_MS: f64 = 1000.0;
+
 /// How long a llama-server may take to load the model and answer `/health`.
 const START_TIMEOUT: Duration = Duration::from_secs(90);
 
@@ -64,6 +71,7 @@ impl Default for LlamaCfg {
                 user_tokens: 40,
                 turns: (3, 6),
                 max_tokens: 12,
+                think_time_ms: DEFAULT_THINK_MS,
                 ..Scenario::new(ScenarioKind::Chat)
             },
             // The records name the server that answered.
@@ -382,8 +390,9 @@ fn markdown(r: &LlamaResults, t: &Table) -> String {
     );
     let _ = writeln!(
         m,
-        "Workload: multi-turn chat, {} closed-loop users (each starts a new conversation when one ends, so a run holds many more conversations than the fleet's {} slots), {} shared system prompts of {} tokens (the workload's count; the model's vocabulary makes about twice as many), user turns of {} tokens, {}-{} turns each resending the whole history, {} output tokens per turn, streaming; {} requests per policy and seed. The ceiling is the hit rate one server with an unbounded cache would reach on the same trace.\n",
+        "Workload: multi-turn chat, {} closed-loop users thinking {:.1} s between turns (exponential mean), each starting a new conversation when one ends (so a run holds many more conversations than the fleet's {} slots), {} shared system prompts of {} tokens (the workload's count; the model's vocabulary makes about twice as many), user turns of {} tokens, {}-{} turns each resending the whole history, {} output tokens per turn, streaming; {} requests per policy and seed. The ceiling is the hit rate one server with an unbounded cache would reach on the same trace.\n",
         c.users,
+        sc.think_time_ms / 1e3,
         c.servers * c.slots,
         sc.prefixes,
         sc.prefix_tokens,

@@ -128,6 +128,9 @@ pub struct PromptBlocks {
     /// Each block's age on the chosen backend when it was sent (see
     /// `PrefixIndex::insert_aging`), for the closed loop.
     pub ages: Vec<u64>,
+    /// The slot a slot engine was predicted to give the request being sent
+    /// (the `InFlight` guard holds it until the attempt ends).
+    pub slot: Option<usize>,
     /// Precise mode: the keys of the prompt's engine blocks.
     pub keys: Vec<u64>,
 }
@@ -305,15 +308,14 @@ impl Router {
                 // A slot engine: what the slot it would take holds.
                 let p = b.slots.predict(hashes, ticket, load.in_flight, fleet_slots);
                 m = p.cached_blocks;
-                let live = if p.evicts_live {
-                    cfg.prefix.slot_live_evict_blocks
-                } else {
-                    0.0
-                };
+                // A live conversation's slot: its blocks and the slot
+                // itself, weighed by how likely it is still going.
+                let evict = (f64::from(p.evicted_blocks) * cfg.prefix.slot_evict_cost
+                    + cfg.prefix.slot_live_evict_blocks)
+                    * f64::from(p.live_weight);
                 // Every slot running: it waits for a whole request first.
                 let wait = f64::from(p.waits) * cfg.prefix.overload_cost_blocks;
-                load.evict_cost_blocks =
-                    (f64::from(p.evicted_blocks) * cfg.prefix.slot_evict_cost + live + wait) as f32;
+                load.evict_cost_blocks = (evict + wait) as f32;
             }
             scratch.loads.push(load);
             scratch.matches.push(m);
@@ -447,6 +449,7 @@ impl Router {
     /// `matched`: blocks of it the index said the backend held.
     pub fn learn(&self, backend: &Backend, blocks: &mut PromptBlocks, matched: u32) {
         blocks.ages.clear();
+        blocks.slot = None;
         if let Some(p) = &self.precise
             && !blocks.keys.is_empty()
         {
@@ -464,7 +467,7 @@ impl Router {
             let p = backend
                 .slots
                 .predict(&blocks.hashes, now, in_flight, fleet_slots(&fleet));
-            backend.slots.dispatched(p.slot, &blocks.hashes, now);
+            blocks.slot = backend.slots.dispatched(p.slot, &blocks.hashes, now);
             for other in fleet.backends.iter().filter(|b| b.slot != backend.slot) {
                 other.slots.moved_away(&blocks.hashes);
             }

@@ -2,7 +2,8 @@
 //!
 //! - `cargo xtask setup`: install what builds and tests need (idempotent).
 //! - `cargo xtask test`: setup, build, then every test of the workspace.
-//! - `cargo xtask demo`: the router in front of a fleet of simulated engines.
+//! - `cargo xtask demo`: the router in front of a fleet of simulated engines
+//!   (`--engine llama.cpp`: real llama.cpp servers).
 //! - `cargo xtask bench`: benchmarks, side by side with baselines.
 
 mod bench;
@@ -23,7 +24,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Install what the build and the tests need (nightly rust-src, bpf-linker, nginx).
+    /// Install what the build and the tests need (nightly rust-src, bpf-linker,
+    /// nginx, llama-server and its model).
     Setup,
     /// Set up, build, and run every test of the workspace.
     Test(test::Args),

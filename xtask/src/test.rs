@@ -1,5 +1,7 @@
 //! `cargo xtask test`: the README's test command, and what `.ci/run` calls.
-//! Set-up, `cargo fmt --check` and `cargo clippy --all-targets -D warnings`,
+//! Set-up (with the llama.cpp build the `engine_llamacpp` tests need: about
+//! 12 minutes once per machine, cached after; under `CI=true` a failed build
+//! fails here), `cargo fmt --check` and `cargo clippy --all-targets -D warnings`,
 //! a build of every binary (the end-to-end tests start them as real
 //! processes), the fuzz targets for a bounded time, then every test; it ends
 //! with one line counting what passed and failed.

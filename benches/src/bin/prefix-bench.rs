@@ -73,7 +73,10 @@ struct LlamaArgs {
         default_value = "prefix,round-robin,least-request"
     )]
     policies: Vec<String>,
-    /// Extra prefix-router flags, e.g. `--router-arg=--engine-kind=slots`.
+    /// Mean think time between a conversation's turns, in ms (exponential).
+    #[arg(long)]
+    think_ms: Option<f64>,
+    /// Extra prefix-router flags, e.g. `--router-arg=--log-level=info`.
     #[arg(long = "router-arg", allow_hyphen_values = true)]
     router_args: Vec<String>,
 }
@@ -257,7 +260,7 @@ fn main() -> anyhow::Result<()> {
             let out = cli
                 .out
                 .unwrap_or_else(|| fleet::results_dir(&cli.results_root, "llama"));
-            let cfg = router_benches::llama::LlamaCfg {
+            let mut cfg = router_benches::llama::LlamaCfg {
                 servers: a.servers,
                 slots: a.slots,
                 users: a.users,
@@ -267,6 +270,9 @@ fn main() -> anyhow::Result<()> {
                 router_args: [vec!["--debug-headers".to_string()], a.router_args].concat(),
                 ..Default::default()
             };
+            if let Some(t) = a.think_ms {
+                cfg.scenario.think_time_ms = t;
+            }
             let report = router_benches::llama::run(&bins, &cfg, &out)?;
             println!("report: {}", report.display());
             Ok(())

@@ -171,6 +171,7 @@ async fn attempt(
     };
     let sent_at = Instant::now();
     router.learn(backend, &mut c.blocks, at.matched_blocks);
+    inflight.hold_slot(c.blocks.slot);
     let sent = forward::forward(&worker.pool, cfg, c, req, at, &mut inflight).await;
     drop(inflight);
     let answer = match sent {

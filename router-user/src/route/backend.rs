@@ -363,6 +363,7 @@ impl Backend {
             backend: self.clone(),
             prefill_blocks,
             prompt_blocks,
+            slot: None,
         })
     }
 
@@ -415,9 +416,17 @@ pub struct InFlight {
     backend: Arc<Backend>,
     prefill_blocks: u32,
     prompt_blocks: u32,
+    /// A slot engine's slot the request runs in, freed on drop.
+    slot: Option<usize>,
 }
 
 impl InFlight {
+    /// The request runs in this slot of a slot engine (`route::slots`):
+    /// it is freed when the guard drops, however the attempt ends.
+    pub fn hold_slot(&mut self, slot: Option<usize>) {
+        self.slot = slot;
+    }
+
     /// The first response byte arrived: the prompt is prefilled.
     pub fn prefilled(&mut self) {
         let n = std::mem::take(&mut self.prefill_blocks);
@@ -431,6 +440,9 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.prefilled();
+        if let Some(s) = self.slot.take() {
+            self.backend.slots.finished(s);
+        }
         let l = &self.backend.load;
         l.in_flight_blocks.fetch_sub(self.prompt_blocks, Relaxed);
         l.in_flight.fetch_sub(1, Relaxed);

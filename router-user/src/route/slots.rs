@@ -26,7 +26,7 @@
 //! picture; the answer's `cached_tokens` is what the engine really did.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use arc_swap::ArcSwapOption;
 
@@ -66,10 +66,13 @@ struct Slot {
     last: AtomicU64,
     /// Its conversation went on elsewhere: nobody will come back for it.
     left: AtomicBool,
+    /// Requests sent to it that have not finished (more than one: the
+    /// others wait in the engine's queue for it).
+    running: AtomicU32,
 }
 
 /// What a request would find on a slot engine.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct SlotPrediction {
     /// Leading blocks of the request the engine would reuse.
     pub cached_blocks: u32,
@@ -78,6 +81,11 @@ pub struct SlotPrediction {
     /// It would take the slot of a live conversation (one that is not a
     /// prefix of this request): that conversation loses its slot.
     pub evicts_live: bool,
+    /// How likely that conversation is still going: 1 for a slot used by
+    /// the last request, falling linearly to 0 at the live window's end
+    /// (the older of two live-looking slots is the likelier to hold a
+    /// conversation that ended). 0 when nothing live is evicted.
+    pub live_weight: f32,
     /// The slot it would take.
     pub slot: usize,
     /// Every slot is running a request: it waits for this many to finish
@@ -162,12 +170,13 @@ impl SlotCache {
             s.prompt.store(None);
             s.last.store(0, Relaxed);
             s.left.store(false, Relaxed);
+            s.running.store(0, Relaxed);
         }
     }
 
     /// What `hashes` would find here at request number `now`, with
-    /// `in_flight` requests running (they hold the most recently used
-    /// slots) and `fleet_slots` slots over the fleet (for liveness).
+    /// `in_flight` requests on the engine and `fleet_slots` slots over the
+    /// fleet (for liveness).
     pub fn predict(
         &self,
         hashes: &[u64],
@@ -180,22 +189,23 @@ impl SlotCache {
         if n == 0 {
             return SlotPrediction::default();
         }
-        // The `in_flight` most recently used slots are busy: llama-server
-        // never gives a request a slot that is processing. When all are, the
-        // request waits and takes the first that frees up, by the same rule:
-        // then every slot is a candidate.
+        // Slots running a request are skipped: llama-server never gives a
+        // request a slot that is processing. When all are, the request
+        // waits and takes the first that frees up, by the same rule: then
+        // every slot is a candidate.
         let mut stamps: [u64; MAX_SLOTS] = [0; MAX_SLOTS];
+        let mut running: [bool; MAX_SLOTS] = [false; MAX_SLOTS];
         for (i, s) in slots.iter().enumerate() {
             stamps[i] = s.last.load(Relaxed);
+            running[i] = s.running.load(Relaxed) > 0;
         }
-        let (busy, waits) = if (in_flight as usize) < n {
-            (in_flight as usize, 0)
+        let all_running = running[..n].iter().all(|&r| r);
+        let waits = if all_running {
+            (in_flight + 1).saturating_sub(n as u32).max(1)
         } else {
-            (0, in_flight + 1 - n as u32)
+            0
         };
-        let mut order: [usize; MAX_SLOTS] = std::array::from_fn(|i| i);
-        order[..n].sort_unstable_by(|&a, &b| stamps[b].cmp(&stamps[a]));
-        let is_busy = |i: usize| order[..busy].contains(&i);
+        let is_busy = |i: usize| !all_running && running[i];
         let live_window = LIVE_REQUESTS_PER_SLOT * fleet_slots.max(n) as u64;
 
         let mut best: Option<(usize, usize, usize)> = None; // (slot, common, held)
@@ -232,29 +242,46 @@ impl SlotCache {
         let Some((slot, common, held)) = pick else {
             return SlotPrediction::default();
         };
-        let live = stamps[slot] > 0
-            && !slots[slot].left.load(Relaxed)
-            && now.saturating_sub(stamps[slot]) <= live_window;
+        let age = now.saturating_sub(stamps[slot]);
+        let live = stamps[slot] > 0 && !slots[slot].left.load(Relaxed) && age <= live_window;
         let evicted = if live { held - common } else { 0 };
         SlotPrediction {
             cached_blocks: common as u32,
             evicted_blocks: evicted as u32,
             evicts_live: evicted > 0,
+            live_weight: if evicted > 0 {
+                1.0 - age.saturating_sub(1) as f32 / (live_window + 1) as f32
+            } else {
+                0.0
+            },
             slot,
             waits,
         }
     }
 
     /// Records that the prompt `hashes` was sent at request number `now`:
-    /// it takes the slot [`SlotCache::predict`] named.
-    pub fn dispatched(&self, slot: usize, hashes: &[u64], now: u64) {
+    /// it takes the slot [`SlotCache::predict`] named, running until
+    /// [`SlotCache::finished`]. Returns the slot, if modelled.
+    pub fn dispatched(&self, slot: usize, hashes: &[u64], now: u64) -> Option<usize> {
         if slot >= self.count() {
-            return;
+            return None;
         }
         let s = &self.slots[slot];
         s.prompt.store(Some(Arc::new(hashes.to_vec())));
         s.last.store(now.max(1), Relaxed);
         s.left.store(false, Relaxed);
+        s.running.fetch_add(1, Relaxed);
+        Some(slot)
+    }
+
+    /// The request [`SlotCache::dispatched`] into `slot` finished (answered
+    /// or failed).
+    pub fn finished(&self, slot: usize) {
+        if let Some(s) = self.slots.get(slot) {
+            let _ = s
+                .running
+                .fetch_update(Relaxed, Relaxed, |r| Some(r.saturating_sub(1)));
+        }
     }
 
     /// The prompt `hashes` was sent to another engine: a slot here whose
@@ -295,6 +322,12 @@ mod tests {
         v
     }
 
+    /// A request sent to `slot` and answered.
+    fn served(c: &SlotCache, slot: usize, hashes: &[u64], now: u64) {
+        c.dispatched(slot, hashes, now);
+        c.finished(slot);
+    }
+
     fn cache(n: usize) -> SlotCache {
         let c = SlotCache::default();
         c.set_count(n);
@@ -304,8 +337,8 @@ mod tests {
     #[test]
     fn a_conversation_finds_its_own_slot() {
         let c = cache(2);
-        c.dispatched(0, &prompt(1, 1, 4), 1);
-        c.dispatched(1, &prompt(1, 2, 4), 2);
+        served(&c, 0, &prompt(1, 1, 4), 1);
+        served(&c, 1, &prompt(1, 2, 4), 2);
         let p = c.predict(&prompt(1, 1, 8), 3, 0, 2);
         assert_eq!(p.slot, 0);
         assert_eq!(p.cached_blocks, 24, "its whole previous turn");
@@ -315,8 +348,8 @@ mod tests {
     #[test]
     fn a_new_conversation_on_the_same_system_prompt_evicts_a_live_one() {
         let c = cache(2);
-        c.dispatched(0, &prompt(1, 1, 10), 1);
-        c.dispatched(1, &prompt(2, 2, 10), 2);
+        served(&c, 0, &prompt(1, 1, 10), 1);
+        served(&c, 1, &prompt(2, 2, 10), 2);
         // Same system prompt as conversation 1: llama-server reuses its slot.
         let p = c.predict(&prompt(1, 3, 2), 3, 0, 2);
         assert_eq!((p.slot, p.cached_blocks, p.evicted_blocks), (0, 20, 10));
@@ -328,15 +361,15 @@ mod tests {
     #[test]
     fn a_slot_whose_conversation_moved_away_is_free() {
         let c = cache(2);
-        c.dispatched(0, &prompt(1, 1, 10), 1);
-        c.dispatched(1, &prompt(2, 2, 10), 2);
+        served(&c, 0, &prompt(1, 1, 10), 1);
+        served(&c, 1, &prompt(2, 2, 10), 2);
         // Conversation 1 went on on another engine.
         c.moved_away(&prompt(1, 1, 12));
         let p = c.predict(&prompt(1, 3, 2), 3, 0, 2);
         assert_eq!((p.slot, p.cached_blocks), (0, 20));
         assert!(!p.evicts_live, "{p:?}");
         // Taking the slot makes it live again.
-        c.dispatched(0, &prompt(1, 3, 2), 3);
+        served(&c, 0, &prompt(1, 3, 2), 3);
         assert!(c.predict(&prompt(1, 4, 2), 4, 0, 2).evicts_live);
     }
 
@@ -344,16 +377,20 @@ mod tests {
     fn busy_slots_are_skipped_and_empty_ones_taken_first() {
         let c = cache(3);
         c.dispatched(0, &prompt(1, 1, 10), 5);
+        c.finished(0);
         c.dispatched(1, &prompt(2, 2, 10), 6);
-        // Slot 1 (the most recent) is running; slot 0 shares nothing; slot 2
-        // is empty and the least recently used.
+        // Slot 1 is running; slot 0 shares nothing; slot 2 is empty and the
+        // least recently used.
         let p = c.predict(&prompt(3, 3, 2), 7, 1, 3);
         assert_eq!((p.slot, p.cached_blocks, p.evicted_blocks), (2, 0, 0));
         // Every slot running: the request waits and takes one as it frees up.
-        let p = c.predict(&prompt(1, 3, 2), 7, 3, 3);
+        c.dispatched(0, &prompt(1, 1, 10), 7);
+        c.dispatched(2, &prompt(4, 4, 10), 8);
+        let p = c.predict(&prompt(1, 3, 2), 9, 3, 3);
         assert_eq!((p.slot, p.cached_blocks, p.evicted_blocks), (0, 20, 10));
         assert_eq!(p.waits, 1);
-        assert_eq!(c.predict(&prompt(1, 3, 2), 7, 2, 3).waits, 0);
+        c.finished(2);
+        assert_eq!(c.predict(&prompt(1, 3, 2), 9, 2, 3).waits, 0);
     }
 
     #[test]
