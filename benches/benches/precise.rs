@@ -7,7 +7,7 @@
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use prefix_router::precise::events::{Groups, decode_batch};
-use prefix_router::precise::index::PreciseIndex;
+use prefix_router::precise::index::{PreciseIndex, StoredChain};
 use prefix_router::precise::keys::{chain_seed, engine_tokens, request_keys};
 use prefix_router::route::MAX_BACKENDS;
 use prefix_router::route::extract::{Endpoint, Extractor};
@@ -70,12 +70,14 @@ fn route(c: &mut Criterion) {
         precise
             .stored(
                 0,
-                chain_seed(None),
-                None,
-                &engine_hashes,
-                &tokens[..n * 16],
-                16,
-                &[],
+                &StoredChain {
+                    seed: chain_seed(None),
+                    parent: None,
+                    hashes: &engine_hashes,
+                    tokens: &tokens[..n * 16],
+                    block: 16,
+                    extra: &[],
+                },
             )
             .expect("stored");
         g.throughput(Throughput::Bytes(canon.len() as u64));

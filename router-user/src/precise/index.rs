@@ -68,6 +68,19 @@ pub enum StoreMiss {
     TokenCount,
 }
 
+/// What one `BlockStored` event says: a chain of blocks after `parent`
+/// (`None`: from `seed`), `block` tokens each, with their engine hashes and
+/// extra keys.
+#[derive(Clone, Copy, Debug)]
+pub struct StoredChain<'a> {
+    pub seed: u64,
+    pub parent: Option<EngineHash>,
+    pub hashes: &'a [EngineHash],
+    pub tokens: &'a [u32],
+    pub block: usize,
+    pub extra: &'a [Vec<Vec<u8>>],
+}
+
 pub struct PreciseIndex {
     slots: Box<[Slot]>,
     held: Box<[Mutex<Held>]>,
@@ -98,20 +111,17 @@ impl PreciseIndex {
         self.held[backend].lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Records blocks `backend`'s engine stored: one chain after `parent`
-    /// (`None`: from `seed`), `block` tokens each. Returns how many were
-    /// indexed.
-    #[allow(clippy::too_many_arguments)]
-    pub fn stored(
-        &self,
-        backend: usize,
-        seed: u64,
-        parent: Option<EngineHash>,
-        hashes: &[EngineHash],
-        tokens: &[u32],
-        block: usize,
-        extra: &[Vec<Vec<u8>>],
-    ) -> Result<usize, StoreMiss> {
+    /// Records blocks `backend`'s engine stored (one `BlockStored` event).
+    /// Returns how many were indexed.
+    pub fn stored(&self, backend: usize, chain: &StoredChain) -> Result<usize, StoreMiss> {
+        let StoredChain {
+            seed,
+            parent,
+            hashes,
+            tokens,
+            block,
+            extra,
+        } = *chain;
         if block == 0 || tokens.len() != hashes.len() * block {
             return Err(StoreMiss::TokenCount);
         }
@@ -311,10 +321,30 @@ mod tests {
         let idx = PreciseIndex::new(1024);
         let seed = chain_seed(None);
         let t = toks(48);
-        idx.stored(2, seed, None, &[10, 11], &t[..32], 16, &[])
-            .unwrap();
-        idx.stored(2, seed, Some(11), &[12], &t[32..], 16, &[])
-            .unwrap();
+        idx.stored(
+            2,
+            &StoredChain {
+                seed,
+                parent: None,
+                hashes: &[10, 11],
+                tokens: &t[..32],
+                block: 16,
+                extra: &[],
+            },
+        )
+        .unwrap();
+        idx.stored(
+            2,
+            &StoredChain {
+                seed,
+                parent: Some(11),
+                hashes: &[12],
+                tokens: &t[32..],
+                block: 16,
+                extra: &[],
+            },
+        )
+        .unwrap();
         let mut keys = Vec::new();
         request_keys(seed, &t, 16, &[], &mut keys);
         let mut m = [0; MAX_BACKENDS];
@@ -325,7 +355,17 @@ mod tests {
         idx.longest_matches(&keys, 0b100, 0, 0, &mut m);
         assert_eq!(m[2], 1, "block 1 evicted: the match stops there");
         assert_eq!(
-            idx.stored(2, seed, Some(777), &[13], &t[..16], 16, &[]),
+            idx.stored(
+                2,
+                &StoredChain {
+                    seed,
+                    parent: Some(777),
+                    hashes: &[13],
+                    tokens: &t[..16],
+                    block: 16,
+                    extra: &[]
+                }
+            ),
             Err(StoreMiss::UnknownParent)
         );
         idx.clear_backend(2);

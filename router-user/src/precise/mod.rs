@@ -131,10 +131,17 @@ impl Precise {
                 } => {
                     let block = block_size.map_or(self.settings.block_tokens, |b| b as usize);
                     let seed = keys::chain_seed(lora_name.as_deref());
-                    match self
-                        .index
-                        .stored(slot, seed, *parent, hashes, token_ids, block, extra_keys)
-                    {
+                    match self.index.stored(
+                        slot,
+                        &index::StoredChain {
+                            seed,
+                            parent: *parent,
+                            hashes,
+                            tokens: token_ids,
+                            block,
+                            extra: extra_keys,
+                        },
+                    ) {
                         Ok(_) => {}
                         Err(StoreMiss::UnknownParent) => {
                             c.unknown_parents.fetch_add(1, Relaxed);
