@@ -132,10 +132,12 @@ fn chat_tokens_by_piece_equal_the_whole_rendered_chat() {
         .map(|(r, c)| (r.as_str(), c.as_str()))
         .collect();
     let mut a = Vec::new();
-    t.chat_tokens(&canonical(&msgs), &mut cache, &mut a).unwrap();
+    t.chat_tokens(&canonical(&msgs), &mut cache, &mut a)
+        .unwrap();
     let misses = cache.misses();
     let mut b = Vec::new();
-    t.chat_tokens(&canonical(&msgs), &mut cache, &mut b).unwrap();
+    t.chat_tokens(&canonical(&msgs), &mut cache, &mut b)
+        .unwrap();
     assert_eq!(a, b);
     assert_eq!(cache.misses(), misses);
 }
