@@ -251,6 +251,16 @@ fn tokenizer(c: &mut Criterion) {
             spent
         })
     });
+    // The same turn again: every piece cached (rendering, cutting, hashing
+    // and the cache alone).
+    g.bench_function("chat_turn_repeated_precise_added", |b| {
+        b.iter(|| precise_added(&choice, Endpoint::Chat, &canon0, &mut warm, &index))
+    });
+    // A new 800-byte message alone, encoded whole.
+    let msg = words(2_000_000, 130);
+    g.bench_function("encode_800B_message", |b| {
+        b.iter(|| model.encode(black_box(&msg), false).expect("encode").len())
+    });
     // The toy tokenizer (no tokenizer configured), for comparison.
     let mut toy = TokenScratch::default();
     g.bench_function("chat_turn_toy_precise_added", |b| {

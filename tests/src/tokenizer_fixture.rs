@@ -22,8 +22,10 @@ pub const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + messag
 /// byte depends little on it).
 pub const VOCAB: usize = 2000;
 
-/// `n` made-up words (syllables of a small set, commas, line breaks),
-/// deterministic in `seed`.
+/// `n` made-up words, deterministic in `seed`: a vocabulary of 4,096
+/// words (one to three syllables) drawn log-uniformly, so a few words are
+/// common and most are rare, as in real text; commas, full stops, line
+/// breaks.
 pub fn words(seed: u64, n: usize) -> String {
     const SYL: [&str; 16] = [
         "ka", "lo", "min", "tor", "es", "qua", "ri", "don", "pe", "su", "vel", "xi", "bra", "nu",
@@ -35,9 +37,16 @@ pub fn words(seed: u64, n: usize) -> String {
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        let len = 1 + (x % 4) as usize;
-        for k in 0..len {
-            out.push_str(SYL[((x >> (8 * k + 3)) % 16) as usize]);
+        // Log-uniform rank in 1..4096: rank r is drawn about 1/r as often.
+        let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+        let rank = 4096f64.powf(u) as u64;
+        let mut w = rank;
+        loop {
+            out.push_str(SYL[(w % 16) as usize]);
+            w /= 16;
+            if w == 0 {
+                break;
+            }
         }
         out.push(match i % 13 {
             12 => '\n',

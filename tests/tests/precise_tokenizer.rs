@@ -64,7 +64,9 @@ fn engines(n: usize, dir: &str) -> (Vec<SimEngine>, String) {
 /// A router in precise mode over `backends`, `[precise]` plus `extra`;
 /// waits for every engine's stream to be EXACT.
 fn router(backends: &str, engines: &[SimEngine], extra: &str) -> Router {
-    let cfg = format!("{backends}debug_headers = true\n[precise]\nenabled = true\nburst_ms = 0\n{extra}\n");
+    let cfg = format!(
+        "{backends}debug_headers = true\n[precise]\nenabled = true\nburst_ms = 0\n{extra}\n"
+    );
     let r = Router::spawn(&[], &[], &cfg);
     for e in engines {
         assert!(
