@@ -110,6 +110,7 @@ impl PreciseConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn the_example_config_says_the_defaults() {
@@ -121,6 +122,27 @@ mod tests {
             cfg.backends[3].kv_events(),
             (Some("tcp://127.0.0.1:5557"), Some("tcp://127.0.0.1:5558"))
         );
+    }
+
+    #[test]
+    fn tokenizers_are_configured_by_default_and_per_model() {
+        let c: PreciseConfig = toml::from_str(
+            "tokenizer_dir = \"/models/a\"\ntokenizer_cache_tokens = 1000\n\
+             [tokenizers]\n\"llama-3.1-8b\" = \"/models/llama\"",
+        )
+        .unwrap();
+        assert_eq!(c.tokenizer_dir.as_deref(), Some(Path::new("/models/a")));
+        assert_eq!(c.tokenizers["llama-3.1-8b"], Path::new("/models/llama"));
+        assert_eq!(c.settings().cache_tokens, 1000);
+        // Neither directory exists: both models fall back, nothing panics.
+        let t = c.load_tokenizers();
+        use crate::precise::tokenizer::Choice;
+        assert!(matches!(t.for_model(b"llama-3.1-8b"), Choice::Unavailable));
+        assert!(matches!(t.for_model(b"any"), Choice::Unavailable));
+        assert!(matches!(
+            PreciseConfig::default().load_tokenizers().for_model(b"any"),
+            Choice::Toy
+        ));
     }
 
     #[test]
