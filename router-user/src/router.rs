@@ -96,7 +96,7 @@ pub struct RouteScratch {
     /// Precise mode: the request's engine tokens and their rendered text,
     /// and the extra keys of its first block (its cache salt).
     tokens: Vec<u32>,
-    text: Vec<u8>,
+    text: crate::precise::keys::TokenScratch,
     first_extra: Vec<Vec<u8>>,
     /// Precise mode: the backends (bits by slot) the last request was
     /// matched on the precise index for (the others: the approximate one).
@@ -176,6 +176,7 @@ impl Router {
             Arc::new(Precise::new(
                 total,
                 config.precise.settings(),
+                config.precise.load_tokenizers(),
                 index.clone(),
             ))
         });
@@ -357,13 +358,20 @@ impl Router {
         let Some(p) = &self.precise else {
             return;
         };
-        crate::precise::keys::engine_tokens(
+        scratch.text.cache.set_budget(p.settings.cache_tokens);
+        if !crate::precise::keys::engine_tokens(
+            p.tokenizers.for_model(scratch.canon.model()),
             ep,
             &scratch.canonical,
             scratch.canon.token_ids(),
             &mut scratch.text,
             &mut scratch.tokens,
-        );
+        ) {
+            // No tokens for this model (its tokenizer is missing or failed,
+            // reported once): every backend on the approximate index.
+            scratch.precise_mask = 0;
+            return;
+        }
         scratch.first_extra.clear();
         let salt = scratch.canon.salt();
         if !salt.is_empty() {

@@ -22,6 +22,10 @@
 //!   [`llama_proc::LlamaServer::spawn`]`(&paths, slots, &extra)`: a real
 //!   `llama-server` on a free port, killed on drop.
 //!
+//! - [`tokenizer_fixture::write`]`(dir)`: a real `tokenizer.json` (a small
+//!   BPE trained here) and a ChatML `tokenizer_config.json`, for
+//!   `sim-engine --tokenizer-dir` and the router's `[precise] tokenizer_dir`.
+//!
 //! # For benchmarks and router tests
 //! - [`workload::RunConfig`] (target URL, [`workload::Scenario`], users or
 //!   rate, request count and/or duration, seed) and
@@ -42,6 +46,7 @@ pub mod http;
 pub mod llama_proc;
 pub mod proc;
 pub mod router_proc;
+pub mod tokenizer_fixture;
 pub mod workload;
 
 pub use bin_path::bin_path;

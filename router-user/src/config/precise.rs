@@ -2,6 +2,9 @@
 //! `prefix-router.example.toml`, commented), and where each backend
 //! publishes its events.
 
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
 use serde::Deserialize;
 
 use super::BackendConfig;
@@ -31,6 +34,18 @@ pub struct PreciseConfig {
     /// fill, a batch that did not decode) is forgotten by the precise index
     /// and stays DEGRADED this long, while its stream refills the index.
     pub recover_ms: u64,
+    /// The model's tokenizer: a local directory holding its `tokenizer.json`
+    /// and `tokenizer_config.json` (with `chat_template`), used for every
+    /// model without an entry in `tokenizers`. Unset: `sim-engine`'s
+    /// 4-byte tokenizer and ChatML, which a real engine does not share.
+    /// Read at start; one that cannot be read is logged and its model
+    /// routes on the approximate index.
+    pub tokenizer_dir: Option<PathBuf>,
+    /// Per model (the requests' `model`): its tokenizer directory.
+    pub tokenizers: BTreeMap<String, PathBuf>,
+    /// Budget of each worker's cache of tokenized messages, in tokens (4
+    /// bytes each): a chat turn tokenizes only messages not in it.
+    pub tokenizer_cache_tokens: usize,
 }
 
 impl Default for PreciseConfig {
@@ -43,6 +58,9 @@ impl Default for PreciseConfig {
             block_tokens: crate::precise::keys::DEFAULT_BLOCK_TOKENS,
             burst_ms: 2000,
             recover_ms: 10_000,
+            tokenizer_dir: None,
+            tokenizers: BTreeMap::new(),
+            tokenizer_cache_tokens: crate::precise::tokenizer::DEFAULT_CACHE_TOKENS,
         }
     }
 }
@@ -53,7 +71,13 @@ impl PreciseConfig {
             block_tokens: self.block_tokens.max(1),
             burst_ms: self.burst_ms,
             recover_ms: self.recover_ms,
+            cache_tokens: self.tokenizer_cache_tokens,
         }
+    }
+
+    /// Loads the configured tokenizers (failures logged, see `tokenizer_dir`).
+    pub fn load_tokenizers(&self) -> crate::precise::tokenizer::Tokenizers {
+        crate::precise::tokenizer::Tokenizers::load(self.tokenizer_dir.as_deref(), &self.tokenizers)
     }
 
     /// Where `backend` publishes: its own `kv_events` / `kv_events_replay`
@@ -86,6 +110,7 @@ impl PreciseConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn the_example_config_says_the_defaults() {
@@ -97,6 +122,27 @@ mod tests {
             cfg.backends[3].kv_events(),
             (Some("tcp://127.0.0.1:5557"), Some("tcp://127.0.0.1:5558"))
         );
+    }
+
+    #[test]
+    fn tokenizers_are_configured_by_default_and_per_model() {
+        let c: PreciseConfig = toml::from_str(
+            "tokenizer_dir = \"/models/a\"\ntokenizer_cache_tokens = 1000\n\
+             [tokenizers]\n\"llama-3.1-8b\" = \"/models/llama\"",
+        )
+        .unwrap();
+        assert_eq!(c.tokenizer_dir.as_deref(), Some(Path::new("/models/a")));
+        assert_eq!(c.tokenizers["llama-3.1-8b"], Path::new("/models/llama"));
+        assert_eq!(c.settings().cache_tokens, 1000);
+        // Neither directory exists: both models fall back, nothing panics.
+        let t = c.load_tokenizers();
+        use crate::precise::tokenizer::Choice;
+        assert!(matches!(t.for_model(b"llama-3.1-8b"), Choice::Unavailable));
+        assert!(matches!(t.for_model(b"any"), Choice::Unavailable));
+        assert!(matches!(
+            PreciseConfig::default().load_tokenizers().for_model(b"any"),
+            Choice::Toy
+        ));
     }
 
     #[test]

@@ -7,16 +7,17 @@
 //! engine's hash function, seed and version): it keys blocks by content and
 //! maps engine hashes onto those keys (`index`).
 //!
-//! Tokens of a request: until the router has the model's own tokenizer and
-//! chat template (issue 10, item 1), it tokenizes as `sim-engine` does: the
-//! chat rendered with the ChatML template, text cut into lines and each line
-//! into 4-byte tokens (`tests/src/engine/tokenize.rs`). Against a real vLLM
-//! this gives other tokens than the engine's, so no request matches: precise
-//! mode then routes as if every prompt were cold on its EXACT backends (see
-//! ARCHITECTURE.md, "Precise mode").
+//! Tokens of a request: with the model's tokenizer configured
+//! (`[precise] tokenizer_dir`, `[precise.tokenizers]`), its own tokens and
+//! chat template (`tokenizer`); without one, as `sim-engine` does by
+//! default: the chat rendered with the ChatML template, text cut into lines
+//! and each line into 4-byte tokens (`tests/src/engine/tokenize.rs`).
+//! Against a real vLLM the latter gives other tokens than the engine's, so
+//! no request would match (see ARCHITECTURE.md, "Precise mode").
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use super::tokenizer::{Choice, TokenCache};
 use crate::route::extract::Endpoint;
 use crate::route::hash::namespace_seed;
 
@@ -76,19 +77,30 @@ const BYTES_PER_TOKEN: usize = 4;
 const MESSAGE_START: u8 = 0x1e;
 const ROLE_END: u8 = 0x1f;
 
+/// A worker's tokenizing scratch: the rendered text of the toy tokenizer
+/// and the cache of pieces already tokenized by a model's tokenizer.
+#[derive(Default)]
+pub struct TokenScratch {
+    pub text: Vec<u8>,
+    pub cache: TokenCache,
+}
+
 /// The engine's tokens for a request whose canonical prompt (as
 /// `route::extract` writes it) is `canonical`, written into `out` (cleared
-/// first); `text` is scratch. For a chat the canonical form (`RS role US
-/// text` per message) is rendered with the ChatML template, then
-/// tokenized; completion text is tokenized as it is; a prompt given as
-/// token ids (`token_ids`) is those ids.
+/// first), with the model's tokenizer `choice`. For a chat the canonical
+/// form (`RS role US text` per message) is rendered with the chat template,
+/// then tokenized; completion text is tokenized as it is; a prompt given as
+/// token ids (`token_ids`) is those ids. False when the tokens cannot be
+/// had (no tokenizer loaded for the model, or it failed on this request:
+/// reported once): the request routes on the approximate index.
 pub fn engine_tokens(
+    choice: &Choice,
     endpoint: Endpoint,
     canonical: &[u8],
     token_ids: bool,
-    text: &mut Vec<u8>,
+    scratch: &mut TokenScratch,
     out: &mut Vec<u32>,
-) {
+) -> bool {
     out.clear();
     if token_ids && endpoint != Endpoint::Chat {
         out.extend(
@@ -96,8 +108,35 @@ pub fn engine_tokens(
                 .chunks_exact(4)
                 .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
         );
-        return;
+        return true;
     }
+    match choice {
+        Choice::Toy => {
+            toy_tokens(endpoint, canonical, &mut scratch.text, out);
+            true
+        }
+        Choice::Unavailable => false,
+        Choice::Model(t) => {
+            let done = match endpoint {
+                Endpoint::Chat => t.chat_tokens(canonical, &mut scratch.cache, out),
+                Endpoint::Completions | Endpoint::Generate => {
+                    t.completion_tokens(canonical, &mut scratch.cache, out)
+                }
+            };
+            match done {
+                Ok(()) => true,
+                Err(e) => {
+                    t.warn_once(&e);
+                    out.clear();
+                    false
+                }
+            }
+        }
+    }
+}
+
+/// `sim-engine`'s default tokens: ChatML, then 4-byte tokens.
+fn toy_tokens(endpoint: Endpoint, canonical: &[u8], text: &mut Vec<u8>, out: &mut Vec<u32>) {
     match endpoint {
         Endpoint::Chat => {
             text.clear();
@@ -158,10 +197,17 @@ mod tests {
             canon.push(ROLE_END);
             canon.extend_from_slice(text.as_bytes());
         }
-        let (mut text, mut toks) = (Vec::new(), Vec::new());
-        engine_tokens(Endpoint::Chat, &canon, false, &mut text, &mut toks);
+        let (mut scratch, mut toks) = (TokenScratch::default(), Vec::new());
+        assert!(engine_tokens(
+            &Choice::Toy,
+            Endpoint::Chat,
+            &canon,
+            false,
+            &mut scratch,
+            &mut toks
+        ));
         assert_eq!(
-            text,
+            scratch.text,
             b"<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
         );
         assert_eq!(toks[0], u32::from_le_bytes(*b"<|im"));

@@ -9,6 +9,8 @@
 //! - [`index`]: the precise index, keyed by block content, with the burst
 //!   guard.
 //! - [`keys`]: the keys of blocks, and a request's engine tokens.
+//! - [`tokenizer`]: the model's tokenizer and chat template, with a cache
+//!   of the tokens of messages already seen.
 //!
 //! Routing reads, per backend, the precise index while that backend is
 //! EXACT and the approximate index (`route::index`, always kept) while it
@@ -21,6 +23,7 @@ pub mod index;
 pub mod keys;
 pub mod metrics;
 pub mod subscriber;
+pub mod tokenizer;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
@@ -29,6 +32,7 @@ use std::time::Instant;
 use confidence::{Confidence, Reason, State};
 use events::{Batch, Event};
 use index::{PreciseIndex, StoreMiss};
+use tokenizer::Tokenizers;
 
 use crate::route::MAX_BACKENDS;
 use crate::route::index::{Matches, PrefixIndex};
@@ -42,6 +46,8 @@ pub struct Settings {
     pub burst_ms: u32,
     /// How long a backend stays DEGRADED after a lost batch.
     pub recover_ms: u64,
+    /// Budget of each worker's cache of tokenized messages, in tokens.
+    pub cache_tokens: usize,
 }
 
 /// The precise index and every backend's confidence.
@@ -52,12 +58,20 @@ pub struct Precise {
     approx: Arc<PrefixIndex>,
     pub confidence: Box<[Confidence]>,
     pub settings: Settings,
+    /// Each model's tokenizer (loaded at start).
+    pub tokenizers: Tokenizers,
     started: Instant,
 }
 
 impl Precise {
-    pub fn new(total_capacity: usize, settings: Settings, approx: Arc<PrefixIndex>) -> Precise {
+    pub fn new(
+        total_capacity: usize,
+        settings: Settings,
+        tokenizers: Tokenizers,
+        approx: Arc<PrefixIndex>,
+    ) -> Precise {
         Precise {
+            tokenizers,
             index: PreciseIndex::new(total_capacity),
             approx,
             confidence: (0..MAX_BACKENDS).map(|_| Confidence::new()).collect(),

@@ -36,6 +36,8 @@ pub struct Canonical {
     token_ids: bool,
     /// The body's `cache_salt` (empty: none).
     salt: Vec<u8>,
+    /// The body's `model` (empty: none), for precise mode's tokenizer.
+    model: Vec<u8>,
 }
 
 impl Canonical {
@@ -55,6 +57,7 @@ impl Canonical {
         self.merge_from = 0;
         self.token_ids = false;
         self.salt.clear();
+        self.model.clear();
     }
 
     /// Whether the prompt was given as token ids (precise mode tokenizes
@@ -66,6 +69,11 @@ impl Canonical {
     /// The body's `cache_salt` (empty: none).
     pub fn salt(&self) -> &[u8] {
         &self.salt
+    }
+
+    /// The body's `model` (empty: none).
+    pub fn model(&self) -> &[u8] {
+        &self.model
     }
 
     fn body(&mut self, start: usize, end: usize) {
@@ -137,6 +145,7 @@ pub fn scan(endpoint: Endpoint, body: &[u8], canon: &mut Canonical) -> Result<Pr
     let salt = field(fields.cache_salt).unwrap_or(&[]);
     let seed = namespace_seed(&[model, adapter, salt]);
     canon.salt.extend_from_slice(salt);
+    canon.model.extend_from_slice(model);
     let user = field(fields.user).map(xxh3_64);
     match endpoint {
         Endpoint::Chat if !fields.saw_prompt => Err(RouterError::new(

@@ -141,13 +141,21 @@ struct GenerateRequest<'a> {
 
 fn prompt_tokens(p: Prompt<'_>) -> Result<Vec<Token>, ApiError> {
     match p {
-        Prompt::Text(s) => Ok(tokenize::tokenize(&s)),
+        Prompt::Text(s) => text_tokens(&s),
         Prompt::Ids(ids) => Ok(ids),
-        Prompt::Texts(v) if v.len() == 1 => Ok(tokenize::tokenize(&v[0])),
+        Prompt::Texts(v) if v.len() == 1 => text_tokens(&v[0]),
         Prompt::IdBatches(mut v) if v.len() == 1 => Ok(v.pop().unwrap_or_default()),
         _ => Err(ApiError::bad_request(
             "sim-engine serves one prompt per request; batched prompts are not supported",
         )),
+    }
+}
+
+/// A completion prompt's tokens (the model's tokenizer when given).
+fn text_tokens(s: &str) -> Result<Vec<Token>, ApiError> {
+    match tokenize::model() {
+        None => Ok(tokenize::tokenize(s)),
+        Some(m) => m.encode(s, true).map_err(ApiError::bad_request),
     }
 }
 
@@ -178,12 +186,12 @@ fn model_index(name: Option<&str>, models: &[String]) -> Result<usize, ApiError>
 /// template, then (when asked) the generation prompt. The chat endpoint,
 /// `/tokenize` and `/v1/chat/completions/render` all go through here, so
 /// they always agree.
-fn chat_tokens(msgs: &[Message<'_>], add_generation_prompt: bool) -> Vec<Token> {
-    let mut text = String::new();
-    for m in msgs {
-        let content: Cow<'_, str> = match &m.content {
+fn chat_tokens(msgs: &[Message<'_>], add_generation_prompt: bool) -> Result<Vec<Token>, ApiError> {
+    let contents: Vec<Cow<'_, str>> = msgs
+        .iter()
+        .map(|m| match &m.content {
             None => Cow::Borrowed(""),
-            Some(Content::Text(s)) => Cow::Borrowed(s),
+            Some(Content::Text(s)) => Cow::Borrowed(&**s),
             Some(Content::Parts(parts)) => Cow::Owned(
                 parts
                     .iter()
@@ -191,13 +199,26 @@ fn chat_tokens(msgs: &[Message<'_>], add_generation_prompt: bool) -> Vec<Token> 
                     .collect::<Vec<_>>()
                     .join("\n"),
             ),
-        };
-        tokenize::render_message(&mut text, &m.role, &content);
+        })
+        .collect();
+    if let Some(model) = tokenize::model() {
+        let pairs: Vec<(&str, &str)> = msgs
+            .iter()
+            .zip(&contents)
+            .map(|(m, c)| (&*m.role, &**c))
+            .collect();
+        return model
+            .chat(&pairs, add_generation_prompt)
+            .map_err(ApiError::bad_request);
+    }
+    let mut text = String::new();
+    for (m, content) in msgs.iter().zip(&contents) {
+        tokenize::render_message(&mut text, &m.role, content);
     }
     if add_generation_prompt {
         text.push_str(tokenize::GENERATION_PROMPT);
     }
-    tokenize::tokenize(&text)
+    Ok(tokenize::tokenize(&text))
 }
 
 #[derive(Deserialize)]
@@ -219,7 +240,7 @@ pub fn parse_tokenize(body: &[u8], models: &[String]) -> Result<(usize, Vec<Toke
         .map_err(|e| ApiError::bad_request(format!("Invalid request body: {e}")))?;
     let model = model_index(r.model.as_deref(), models)?;
     let tokens = match (r.messages, r.prompt) {
-        (Some(msgs), _) => chat_tokens(&msgs, r.add_generation_prompt.unwrap_or(true)),
+        (Some(msgs), _) => chat_tokens(&msgs, r.add_generation_prompt.unwrap_or(true))?,
         (None, Some(p)) => prompt_tokens(p)?,
         (None, None) => {
             return Err(ApiError::bad_request(
@@ -307,7 +328,7 @@ pub fn parse(
         let msgs = r
             .messages
             .ok_or_else(|| ApiError::bad_request("Field required: messages"))?;
-        chat_tokens(&msgs, true)
+        chat_tokens(&msgs, true)?
     } else {
         prompt_tokens(
             r.prompt

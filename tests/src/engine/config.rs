@@ -112,6 +112,11 @@ pub struct EngineArgs {
     /// stream; it stays in the replay buffer, as a message lost on the wire.
     #[arg(long)]
     pub kv_events_drop_seq: Option<u64>,
+    /// Tokenize as vLLM does with this model directory's `tokenizer.json`
+    /// and the `chat_template` of its `tokenizer_config.json`, instead of
+    /// the 4-byte tokenizer and ChatML [default: off].
+    #[arg(long)]
+    pub tokenizer_dir: Option<std::path::PathBuf>,
 }
 
 impl EngineArgs {

@@ -48,6 +48,9 @@ type Conn = TcpStream;
 /// Binds (after `--refuse-connections-ms`), prints `listening on ADDR` on
 /// stdout and serves until the process ends.
 pub async fn serve(args: EngineArgs) -> anyhow::Result<()> {
+    if let Some(dir) = &args.tokenizer_dir {
+        super::tokenize::install(dir)?;
+    }
     if args.refuse_connections_ms > 0 {
         tracing::info!(
             ms = args.refuse_connections_ms,

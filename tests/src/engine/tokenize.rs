@@ -9,6 +9,17 @@
 //! ends with `\n`, which is how the chat template's assistant marker ends: the
 //! tokens of an answer appended after the marker are exactly the tokens the
 //! next turn's prompt contains at that place.
+//!
+//! With `--tokenizer-dir DIR` the engine tokenizes as vLLM does instead
+//! ([`Model`]): `DIR/tokenizer.json` through Hugging Face's `tokenizers`, the
+//! chat rendered whole with the `chat_template` of
+//! `DIR/tokenizer_config.json` (minijinja), chats without and completions
+//! with the post-processor's special tokens. Written independently of the
+//! router's `precise::tokenizer` (which tokenizes piece by piece, cached),
+//! so tests can compare the two.
+
+use std::path::Path;
+use std::sync::OnceLock;
 
 /// A token id. Text tokens are the chunk's bytes read as a little-endian u32
 /// (injective for text without NUL bytes); token-id prompts use ids as given.
@@ -75,6 +86,98 @@ pub fn render_chat<'a>(messages: impl IntoIterator<Item = (&'a str, &'a str)>) -
     }
     out.push_str(GENERATION_PROMPT);
     out
+}
+
+/// A model's tokenizer and chat template (`--tokenizer-dir`).
+pub struct Model {
+    tokenizer: tokenizers::Tokenizer,
+    env: minijinja::Environment<'static>,
+    bos: String,
+    eos: String,
+}
+
+/// The tokenizer given with `--tokenizer-dir`, once set at start.
+static MODEL: OnceLock<Model> = OnceLock::new();
+
+/// The model tokenizer in use, if any.
+pub fn model() -> Option<&'static Model> {
+    MODEL.get()
+}
+
+/// Uses `dir`'s tokenizer for every request from now on.
+pub fn install(dir: &Path) -> anyhow::Result<()> {
+    let m = Model::load(dir)?;
+    MODEL
+        .set(m)
+        .map_err(|_| anyhow::anyhow!("a tokenizer is installed already"))
+}
+
+impl Model {
+    pub fn load(dir: &Path) -> anyhow::Result<Model> {
+        let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json"))
+            .map_err(|e| anyhow::anyhow!("{}: {e}", dir.join("tokenizer.json").display()))?;
+        let cfg: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("tokenizer_config.json"))?)?;
+        let special = |k: &str| match cfg.get(k) {
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(v) => v["content"].as_str().unwrap_or("").to_owned(),
+            None => String::new(),
+        };
+        let template = cfg["chat_template"]
+            .as_str()
+            .ok_or_else(|| anyhow::anyhow!("tokenizer_config.json has no chat_template string"))?
+            .to_owned();
+        let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |m: String| -> Result<String, _> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                m,
+            ))
+        });
+        env.add_template_owned("chat", template)?;
+        Ok(Model {
+            tokenizer,
+            env,
+            bos: special("bos_token"),
+            eos: special("eos_token"),
+        })
+    }
+
+    /// The tokens of a chat `(role, content)`, rendered whole.
+    pub fn chat(
+        &self,
+        messages: &[(&str, &str)],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<Token>, String> {
+        let msgs: Vec<_> = messages
+            .iter()
+            .map(|(r, c)| minijinja::context! { role => r, content => c })
+            .collect();
+        let text = self
+            .env
+            .get_template("chat")
+            .and_then(|t| {
+                t.render(minijinja::context! {
+                    messages => msgs,
+                    add_generation_prompt => add_generation_prompt,
+                    bos_token => &self.bos,
+                    eos_token => &self.eos,
+                })
+            })
+            .map_err(|e| format!("chat template: {e}"))?;
+        self.encode(&text, false)
+    }
+
+    /// The tokens of `text` (`add_special`: with the post-processor's).
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<Token>, String> {
+        self.tokenizer
+            .encode(text, add_special)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| e.to_string())
+    }
 }
 
 #[cfg(test)]

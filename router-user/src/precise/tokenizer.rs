@@ -1,0 +1,448 @@
+//! The model's own tokenizer for precise mode: `tokenizer.json` read with
+//! Hugging Face's `tokenizers` crate and the chat template of
+//! `tokenizer_config.json` rendered with `minijinja`, so the router's tokens
+//! of a request are the engine's (vLLM renders and tokenizes the same way).
+//!
+//! Tokenizing is the expensive part, and a multi-turn chat repeats its whole
+//! history every turn. So the rendered chat is cut before each added token
+//! (`<|im_start|>` in ChatML): the tokenizer itself splits its input there
+//! before anything else, so the pieces' tokens, concatenated, are the whole
+//! text's. Each piece's tokens are kept in a [`TokenCache`] keyed by a hash
+//! of the piece: a turn tokenizes only its new message. The cache is the
+//! worker's own (in its routing scratch): no lock on the request path.
+//!
+//! A tokenizer that cannot be loaded is reported once at start and its model
+//! routes on the approximate index; one that fails on a request (a template
+//! that raises, text it refuses) is reported once and that request routes
+//! on the approximate index. Neither stops a request.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+
+use aho_corasick::{AhoCorasick, MatchKind};
+use minijinja::{Environment, Value, context};
+use tokenizers::Tokenizer;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+use crate::route::extract::{MESSAGE_START, ROLE_END};
+
+/// Template execution budget (minijinja "fuel", about one unit per
+/// instruction): real chat templates spend a few hundred units a message;
+/// this stops a template that loops without end after well under a second.
+const TEMPLATE_FUEL: u64 = 50_000_000;
+
+/// Default budget of a worker's [`TokenCache`], in tokens (4 bytes each):
+/// 2M tokens, 8 MB per worker, the histories of a few hundred live
+/// conversations.
+pub const DEFAULT_CACHE_TOKENS: usize = 2 << 20;
+
+/// The tokenizer and chat template of one model.
+pub struct ModelTokenizer {
+    /// Where it was read from (for messages).
+    dir: PathBuf,
+    tokenizer: Tokenizer,
+    env: Environment<'static>,
+    bos: String,
+    eos: String,
+    /// Finds the added tokens the tokenizer splits on before normalizing;
+    /// `cut[i]`: the text may be cut before a match of pattern `i`.
+    added: Option<AhoCorasick>,
+    cut: Vec<bool>,
+    /// What the post-processor puts around a completion prompt (vLLM
+    /// tokenizes completions with `add_special_tokens`, chats without).
+    completion_prefix: Vec<u32>,
+    completion_suffix: Vec<u32>,
+    /// Seed of this tokenizer's cache keys (its files' hash).
+    seed: u64,
+    /// A request failed already (warned once).
+    warned: AtomicBool,
+}
+
+impl fmt::Debug for ModelTokenizer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ModelTokenizer")
+            .field("dir", &self.dir)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a tokenizer could not be used.
+#[derive(Debug, Clone)]
+pub struct TokenizeError(pub String);
+
+impl fmt::Display for TokenizeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn err(what: impl fmt::Display) -> TokenizeError {
+    TokenizeError(what.to_string())
+}
+
+/// A special token in `tokenizer_config.json`: a string or `{"content": ..}`.
+fn token_string(v: Option<&serde_json::Value>) -> String {
+    match v {
+        Some(serde_json::Value::String(s)) => s.clone(),
+        Some(serde_json::Value::Object(o)) => o
+            .get("content")
+            .and_then(|c| c.as_str())
+            .unwrap_or("")
+            .to_owned(),
+        _ => String::new(),
+    }
+}
+
+impl ModelTokenizer {
+    /// Reads `dir/tokenizer.json` and `dir/tokenizer_config.json` (its
+    /// `chat_template`: a string, or a list of named ones, "default" taken).
+    pub fn load(dir: &Path) -> Result<ModelTokenizer, TokenizeError> {
+        let tk_path = dir.join("tokenizer.json");
+        let cfg_path = dir.join("tokenizer_config.json");
+        let tk_bytes =
+            std::fs::read(&tk_path).map_err(|e| err(format!("{}: {e}", tk_path.display())))?;
+        let mut tokenizer = Tokenizer::from_bytes(&tk_bytes)
+            .map_err(|e| err(format!("{}: {e}", tk_path.display())))?;
+        // The engine tokenizes the whole prompt; truncation or padding set
+        // in the file would make pieces differ from the whole.
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| err(format!("{}: {e}", tk_path.display())))?;
+        tokenizer.with_padding(None);
+        let cfg_bytes =
+            std::fs::read(&cfg_path).map_err(|e| err(format!("{}: {e}", cfg_path.display())))?;
+        let cfg: serde_json::Value = serde_json::from_slice(&cfg_bytes)
+            .map_err(|e| err(format!("{}: {e}", cfg_path.display())))?;
+        let template = match cfg.get("chat_template") {
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(serde_json::Value::Array(list)) => list
+                .iter()
+                .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                .or_else(|| list.first())
+                .and_then(|t| t.get("template"))
+                .and_then(|t| t.as_str())
+                .unwrap_or("")
+                .to_owned(),
+            _ => String::new(),
+        };
+        if template.is_empty() {
+            return Err(err(format!("{}: no chat_template", cfg_path.display())));
+        }
+        let mut env = Environment::new();
+        // As transformers compiles chat templates (Jinja2 with these two).
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_fuel(Some(TEMPLATE_FUEL));
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", |msg: String| -> Result<Value, _> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        });
+        env.add_template_owned("chat", template)
+            .map_err(|e| err(format!("{}: chat_template: {e}", cfg_path.display())))?;
+        let added_tokens = tokenizer.get_added_tokens_decoder();
+        let mut added: Vec<_> = added_tokens
+            .values()
+            .filter(|t| !t.normalized && !t.content.is_empty())
+            .collect();
+        added.sort_by(|a, b| a.content.cmp(&b.content));
+        let cut = added.iter().map(|t| !t.lstrip && !t.single_word).collect();
+        let automaton = if added.is_empty() {
+            None
+        } else {
+            Some(
+                AhoCorasick::builder()
+                    .match_kind(MatchKind::LeftmostLongest)
+                    .build(added.iter().map(|t| t.content.as_str()))
+                    .map_err(err)?,
+            )
+        };
+        let mut t = ModelTokenizer {
+            dir: dir.to_owned(),
+            tokenizer,
+            env,
+            bos: token_string(cfg.get("bos_token")),
+            eos: token_string(cfg.get("eos_token")),
+            added: automaton,
+            cut,
+            completion_prefix: Vec::new(),
+            completion_suffix: Vec::new(),
+            seed: xxh3_64_with_seed(&cfg_bytes, xxh3_64(&tk_bytes)),
+            warned: AtomicBool::new(false),
+        };
+        // What the post-processor adds, seen on a probe text.
+        let probe = "a";
+        let bare = t.encode(probe, false)?;
+        let full = t.encode(probe, true)?;
+        let at = (0..=full.len().saturating_sub(bare.len()))
+            .find(|&i| full[i..].starts_with(&bare))
+            .ok_or_else(|| err("the post-processor changes the text's own tokens"))?;
+        t.completion_prefix = full[..at].to_vec();
+        t.completion_suffix = full[at + bare.len()..].to_vec();
+        Ok(t)
+    }
+
+    /// Where it was read from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The token ids of `text`, whole, with or without the post-processor's
+    /// special tokens.
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizeError> {
+        self.tokenizer
+            .encode_fast(text, add_special)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(err)
+    }
+
+    /// Renders the chat of `messages` (role, content) with the generation
+    /// prompt, as the engine does before tokenizing.
+    pub fn render_chat(&self, messages: &[(&str, &str)]) -> Result<String, TokenizeError> {
+        let msgs: Vec<Value> = messages
+            .iter()
+            .map(|(role, content)| context! { role => role, content => content })
+            .collect();
+        let tmpl = self.env.get_template("chat").map_err(err)?;
+        tmpl.render(context! {
+            messages => msgs,
+            add_generation_prompt => true,
+            bos_token => &self.bos,
+            eos_token => &self.eos,
+        })
+        .map_err(|e| err(format!("chat_template: {e}")))
+    }
+
+    /// Appends the tokens of `text` (no post-processing) to `out`, piece by
+    /// piece through `cache`.
+    fn pieces_into(
+        &self,
+        text: &str,
+        cache: &mut TokenCache,
+        out: &mut Vec<u32>,
+    ) -> Result<(), TokenizeError> {
+        let mut from = 0;
+        if let Some(ac) = &self.added {
+            for m in ac.find_iter(text) {
+                if self.cut[m.pattern().as_usize()] && m.start() > from {
+                    self.piece_into(&text[from..m.start()], cache, out)?;
+                    from = m.start();
+                }
+            }
+        }
+        self.piece_into(&text[from..], cache, out)
+    }
+
+    fn piece_into(
+        &self,
+        piece: &str,
+        cache: &mut TokenCache,
+        out: &mut Vec<u32>,
+    ) -> Result<(), TokenizeError> {
+        if piece.is_empty() {
+            return Ok(());
+        }
+        let key = xxh3_64_with_seed(piece.as_bytes(), self.seed);
+        if let Some(toks) = cache.get(key) {
+            out.extend_from_slice(toks);
+            return Ok(());
+        }
+        let toks = self.encode(piece, false)?;
+        out.extend_from_slice(&toks);
+        cache.put(key, toks.into_boxed_slice());
+        Ok(())
+    }
+
+    /// The engine's tokens of a chat whose canonical form (`RS role US
+    /// text` per message, as `route::extract` writes it) is `canonical`.
+    pub fn chat_tokens(
+        &self,
+        canonical: &[u8],
+        cache: &mut TokenCache,
+        out: &mut Vec<u32>,
+    ) -> Result<(), TokenizeError> {
+        let canonical = std::str::from_utf8(canonical).map_err(err)?;
+        let messages: Vec<(&str, &str)> = canonical
+            .split(MESSAGE_START as char)
+            .skip(1)
+            .map(|m| m.split_once(ROLE_END as char).unwrap_or((m, "")))
+            .collect();
+        let text = self.render_chat(&messages)?;
+        self.pieces_into(&text, cache, out)
+    }
+
+    /// The engine's tokens of a completion prompt.
+    pub fn completion_tokens(
+        &self,
+        text: &[u8],
+        cache: &mut TokenCache,
+        out: &mut Vec<u32>,
+    ) -> Result<(), TokenizeError> {
+        let text = std::str::from_utf8(text).map_err(err)?;
+        out.extend_from_slice(&self.completion_prefix);
+        self.pieces_into(text, cache, out)?;
+        out.extend_from_slice(&self.completion_suffix);
+        Ok(())
+    }
+
+    /// Reports a failure on a request, once per tokenizer.
+    pub fn warn_once(&self, e: &TokenizeError) {
+        if !self.warned.swap(true, Relaxed) {
+            tracing::warn!(
+                tokenizer = %self.dir.display(),
+                error = %e,
+                "precise mode: tokenizing a request failed; such requests route on the \
+                 approximate index (reported once)"
+            );
+        }
+    }
+}
+
+/// Tokens of pieces of text already seen, keyed by a hash of the piece (and
+/// the tokenizer), least recently used dropped first, bounded in tokens. A
+/// 64-bit key collision would give a request wrong tokens: a worse route,
+/// never a wrong answer.
+pub struct TokenCache {
+    map: lru::LruCache<u64, Box<[u32]>>,
+    tokens: usize,
+    budget: usize,
+    /// Pieces looked up and not found (tokenized).
+    misses: u64,
+}
+
+impl Default for TokenCache {
+    fn default() -> Self {
+        TokenCache::new(DEFAULT_CACHE_TOKENS)
+    }
+}
+
+impl TokenCache {
+    pub fn new(budget: usize) -> TokenCache {
+        TokenCache {
+            map: lru::LruCache::unbounded(),
+            tokens: 0,
+            budget,
+            misses: 0,
+        }
+    }
+
+    /// Changes the budget (dropping what is over it).
+    pub fn set_budget(&mut self, budget: usize) {
+        if budget != self.budget {
+            self.budget = budget;
+            self.trim();
+        }
+    }
+
+    /// Tokens held.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Pieces tokenized because they were not held.
+    pub fn misses(&self) -> u64 {
+        self.misses
+    }
+
+    fn get(&mut self, key: u64) -> Option<&[u32]> {
+        let hit = self.map.get(&key).map(|b| &**b);
+        if hit.is_none() {
+            self.misses += 1;
+        }
+        hit
+    }
+
+    fn put(&mut self, key: u64, toks: Box<[u32]>) {
+        // A piece over the whole budget is not kept (a huge one-off document).
+        if toks.len() > self.budget {
+            return;
+        }
+        self.tokens += toks.len();
+        if let Some(old) = self.map.put(key, toks) {
+            self.tokens -= old.len();
+        }
+        self.trim();
+    }
+
+    fn trim(&mut self) {
+        while self.tokens > self.budget {
+            match self.map.pop_lru() {
+                Some((_, old)) => self.tokens -= old.len(),
+                None => break,
+            }
+        }
+    }
+}
+
+/// Which tokenizer a model's requests use.
+#[derive(Clone, Debug)]
+pub enum Choice {
+    /// None configured: `sim-engine`'s 4-byte tokenizer (`keys`).
+    Toy,
+    /// The model's own.
+    Model(Arc<ModelTokenizer>),
+    /// Configured but not loaded (reported at start): the approximate index.
+    Unavailable,
+}
+
+/// Every configured tokenizer, loaded at start.
+#[derive(Debug)]
+pub struct Tokenizers {
+    default: Choice,
+    models: BTreeMap<String, Choice>,
+}
+
+impl Default for Tokenizers {
+    fn default() -> Self {
+        Tokenizers {
+            default: Choice::Toy,
+            models: BTreeMap::new(),
+        }
+    }
+}
+
+impl Tokenizers {
+    /// Loads `default_dir` (for every model without an entry) and each
+    /// model's directory. A failure is logged (once, here) and leaves that
+    /// model on the approximate index.
+    pub fn load(default_dir: Option<&Path>, models: &BTreeMap<String, PathBuf>) -> Tokenizers {
+        let load = |dir: &Path, model: &str| match ModelTokenizer::load(dir) {
+            Ok(t) => {
+                tracing::info!(model, tokenizer = %dir.display(), "precise mode: tokenizer loaded");
+                Choice::Model(Arc::new(t))
+            }
+            Err(e) => {
+                tracing::warn!(
+                    model,
+                    tokenizer = %dir.display(),
+                    error = %e,
+                    "precise mode: tokenizer not loaded; this model routes on the approximate index"
+                );
+                Choice::Unavailable
+            }
+        };
+        Tokenizers {
+            default: default_dir.map_or(Choice::Toy, |d| load(d, "*")),
+            models: models
+                .iter()
+                .map(|(m, d)| (m.clone(), load(d, m)))
+                .collect(),
+        }
+    }
+
+    /// The tokenizer of `model` (the request's `model` field).
+    pub fn for_model(&self, model: &[u8]) -> &Choice {
+        std::str::from_utf8(model)
+            .ok()
+            .and_then(|m| self.models.get(m))
+            .unwrap_or(&self.default)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,256 @@
+use super::*;
+use crate::precise::keys::{TokenScratch, engine_tokens};
+use crate::route::extract::Endpoint;
+
+use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::processors::template::TemplateProcessing;
+use tokenizers::{
+    AddedToken, DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
+    TokenizerBuilder, TokenizerImpl,
+};
+
+const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// Text of made-up words, deterministic.
+fn words(seed: u64, n: usize) -> String {
+    const SYL: [&str; 12] = [
+        "ka", "lo", "min", "tor", "es", "qua", "ri", "don", "pe", "su", "vel", "xi",
+    ];
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut out = String::new();
+    for i in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let len = 1 + (x % 3) as usize;
+        for k in 0..len {
+            out.push_str(SYL[((x >> (8 * k)) % 12) as usize]);
+        }
+        out.push(match i % 11 {
+            10 => '\n',
+            7 => ',',
+            _ => ' ',
+        });
+    }
+    out
+}
+
+/// A small byte-level BPE trained on made-up text, with ChatML's special
+/// tokens and a BOS post-processor, written with a ChatML
+/// `tokenizer_config.json` into a new temporary directory.
+fn fixture(name: &str, template: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("prefix-router-tok-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut trainer = BpeTrainerBuilder::new()
+        .vocab_size(600)
+        .min_frequency(2)
+        .show_progress(false)
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .special_tokens(vec![
+            AddedToken::from("<|endoftext|>", true),
+            AddedToken::from("<|im_start|>", true),
+            AddedToken::from("<|im_end|>", true),
+        ])
+        .build();
+    let mut tk: TokenizerImpl<
+        BPE,
+        NormalizerWrapper,
+        PreTokenizerWrapper,
+        PostProcessorWrapper,
+        DecoderWrapper,
+    > = TokenizerBuilder::new()
+        .with_model(BPE::default())
+        .with_normalizer(None)
+        .with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false).into()))
+        .with_post_processor(None)
+        .with_decoder(Some(ByteLevel::default().into()))
+        .build()
+        .unwrap();
+    let corpus: Vec<String> = (0..40).map(|i| words(i, 200)).collect();
+    tk.train(&mut trainer, corpus.iter()).unwrap();
+    let bos = tk.token_to_id("<|endoftext|>").unwrap();
+    tk.with_post_processor(Some(
+        TemplateProcessing::builder()
+            .try_single("<|endoftext|> $A")
+            .unwrap()
+            .special_tokens(vec![("<|endoftext|>", bos)])
+            .build()
+            .unwrap(),
+    ));
+    let tk: Tokenizer = tk.into();
+    tk.save(dir.join("tokenizer.json"), false).unwrap();
+    let cfg = serde_json::json!({
+        "bos_token": "<|endoftext|>",
+        "eos_token": {"content": "<|im_end|>"},
+        "chat_template": template,
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    dir
+}
+
+fn canonical(msgs: &[(&str, &str)]) -> Vec<u8> {
+    let mut c = Vec::new();
+    for (role, text) in msgs {
+        c.push(MESSAGE_START);
+        c.extend_from_slice(role.as_bytes());
+        c.push(ROLE_END);
+        c.extend_from_slice(text.as_bytes());
+    }
+    c
+}
+
+#[test]
+fn chat_tokens_by_piece_equal_the_whole_rendered_chat() {
+    let dir = fixture("chat", CHATML);
+    let t = ModelTokenizer::load(&dir).unwrap();
+    let mut cache = TokenCache::default();
+    let mut history: Vec<(String, String)> = vec![("system".into(), words(1, 40))];
+    for turn in 0..6u64 {
+        history.push(("user".into(), words(100 + turn, 30 + 7 * turn as usize)));
+        let msgs: Vec<(&str, &str)> = history
+            .iter()
+            .map(|(r, c)| (r.as_str(), c.as_str()))
+            .collect();
+        let want = t.encode(&t.render_chat(&msgs).unwrap(), false).unwrap();
+        assert!(want.len() > 40, "the fixture tokenizes into real tokens");
+        let misses = cache.misses();
+        let mut got = Vec::new();
+        t.chat_tokens(&canonical(&msgs), &mut cache, &mut got)
+            .unwrap();
+        assert_eq!(got, want, "turn {turn}");
+        if turn > 0 {
+            // The history is cached: only the new user message, the
+            // previous answer and the generation prompt are tokenized.
+            assert!(cache.misses() - misses <= 3, "turn {turn}");
+        }
+        history.push(("assistant".into(), words(200 + turn, 25)));
+    }
+    // Warm: the same chat again tokenizes nothing.
+    let msgs: Vec<(&str, &str)> = history
+        .iter()
+        .map(|(r, c)| (r.as_str(), c.as_str()))
+        .collect();
+    let mut a = Vec::new();
+    t.chat_tokens(&canonical(&msgs), &mut cache, &mut a)
+        .unwrap();
+    let misses = cache.misses();
+    let mut b = Vec::new();
+    t.chat_tokens(&canonical(&msgs), &mut cache, &mut b)
+        .unwrap();
+    assert_eq!(a, b);
+    assert_eq!(cache.misses(), misses);
+}
+
+#[test]
+fn completion_tokens_equal_the_whole_with_the_post_processor() {
+    let dir = fixture("completion", CHATML);
+    let t = ModelTokenizer::load(&dir).unwrap();
+    let mut cache = TokenCache::default();
+    let text = format!(
+        "{}<|im_start|>user\n{}<|im_end|>\n{}",
+        words(7, 50),
+        words(8, 20),
+        words(9, 30)
+    );
+    let want = t.encode(&text, true).unwrap();
+    let bos = t.tokenizer.token_to_id("<|endoftext|>").unwrap();
+    assert_eq!(want[0], bos, "the fixture's post-processor adds a BOS");
+    let mut got = Vec::new();
+    t.completion_tokens(text.as_bytes(), &mut cache, &mut got)
+        .unwrap();
+    assert_eq!(got, want);
+    // A chat is tokenized without the post-processor, as vLLM does.
+    let mut chat = Vec::new();
+    t.chat_tokens(&canonical(&[("user", "hi")]), &mut cache, &mut chat)
+        .unwrap();
+    assert_ne!(chat[0], bos);
+}
+
+#[test]
+fn the_cache_stays_within_its_budget() {
+    let dir = fixture("budget", CHATML);
+    let t = ModelTokenizer::load(&dir).unwrap();
+    let mut cache = TokenCache::new(300);
+    for i in 0..50 {
+        let mut out = Vec::new();
+        t.chat_tokens(&canonical(&[("user", &words(i, 30))]), &mut cache, &mut out)
+            .unwrap();
+        assert!(cache.tokens() <= 300);
+    }
+    assert!(cache.tokens() > 0);
+}
+
+#[test]
+fn a_missing_or_failing_tokenizer_falls_back_to_the_approximate_index() {
+    let mut models = BTreeMap::new();
+    models.insert("gone".to_owned(), PathBuf::from("/nonexistent/tokenizer"));
+    let raising = fixture(
+        "raising",
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    );
+    models.insert("strict".to_owned(), raising);
+    let all = Tokenizers::load(None, &models);
+    assert!(matches!(all.for_model(b"gone"), Choice::Unavailable));
+    assert!(matches!(all.for_model(b"other"), Choice::Toy));
+    let mut scratch = TokenScratch::default();
+    let mut out = vec![1];
+    let canon = canonical(&[("user", "hello")]);
+    assert!(!engine_tokens(
+        all.for_model(b"gone"),
+        Endpoint::Chat,
+        &canon,
+        false,
+        &mut scratch,
+        &mut out
+    ));
+    assert!(out.is_empty());
+    // The template raises for this chat: no tokens, reported once.
+    let strict = all.for_model(b"strict");
+    assert!(!engine_tokens(
+        strict,
+        Endpoint::Chat,
+        &canon,
+        false,
+        &mut scratch,
+        &mut out
+    ));
+    let Choice::Model(t) = strict else {
+        panic!("the strict tokenizer loads")
+    };
+    assert!(t.warned.load(Relaxed));
+    // A chat the template accepts, and token ids, still work.
+    let ok = canonical(&[("system", "be brief"), ("user", "hello")]);
+    assert!(engine_tokens(
+        strict,
+        Endpoint::Chat,
+        &ok,
+        false,
+        &mut scratch,
+        &mut out
+    ));
+    assert!(!out.is_empty());
+    let ids: Vec<u8> = [5u32, 6, 7].iter().flat_map(|t| t.to_le_bytes()).collect();
+    assert!(engine_tokens(
+        all.for_model(b"gone"),
+        Endpoint::Completions,
+        &ids,
+        true,
+        &mut scratch,
+        &mut out
+    ));
+    assert_eq!(out, [5, 6, 7]);
+}
+
+#[test]
+fn a_broken_directory_is_an_error_naming_the_file() {
+    let dir = std::env::temp_dir().join(format!("prefix-router-tok-{}-broken", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("tokenizer.json"), "{not json").unwrap();
+    let e = ModelTokenizer::load(&dir).unwrap_err();
+    assert!(e.0.contains("tokenizer.json"), "{e}");
+    let no_template = fixture("no-template", CHATML);
+    std::fs::write(no_template.join("tokenizer_config.json"), "{}").unwrap();
+    let e = ModelTokenizer::load(&no_template).unwrap_err();
+    assert!(e.0.contains("chat_template"), "{e}");
+}
