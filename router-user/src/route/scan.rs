@@ -299,72 +299,61 @@ impl<'a> Scanner<'a, '_> {
     fn top(&mut self, endpoint: Endpoint) -> Res<Fields> {
         let mut f = Fields::default();
         let mut seen = Seen::default();
-        self.eat(b'{', "expected an object")?;
-        if self.peek() == Some(b'}') {
-            self.i += 1;
-        } else {
-            loop {
-                let key = self.key_name()?;
-                self.eat(b':', "expected ':'")?;
-                match key {
-                    Key::Model => {
-                        once(&mut seen.model, self)?;
-                        f.model = self.opt_string(&mut f.decoded)?;
-                    }
-                    Key::User => {
-                        once(&mut seen.user, self)?;
-                        f.user = self.opt_string(&mut f.decoded)?;
-                    }
-                    Key::CacheSalt => {
-                        once(&mut seen.cache_salt, self)?;
-                        f.cache_salt = self.opt_string(&mut f.decoded)?;
-                    }
-                    Key::LoraPath => {
-                        once(&mut seen.lora_path, self)?;
-                        f.lora_path = self.opt_string(&mut f.decoded)?;
-                    }
-                    Key::Messages => {
-                        once(&mut seen.messages, self)?;
-                        let write = endpoint == Endpoint::Chat;
-                        f.saw_prompt |= self.messages(write)? && write;
-                    }
-                    Key::Prompt => {
-                        once(&mut seen.prompt, self)?;
-                        let write = endpoint == Endpoint::Completions;
-                        f.saw_prompt |= self.opt_prompt(write)? && write;
-                    }
-                    Key::Text => {
-                        once(&mut seen.text, self)?;
-                        let write = endpoint == Endpoint::Generate;
-                        let wrote = self.opt_prompt(write)?;
-                        if wrote && write {
-                            // A `text` wins over `input_ids` wherever it is.
-                            f.saw_prompt = true;
-                            f.input_ids = None;
-                        }
-                    }
-                    Key::InputIds => {
-                        once(&mut seen.input_ids, self)?;
-                        let at = self.i;
-                        // Read it only if no `text` came first; a `text`
-                        // later replaces it.
-                        let present = self.opt_prompt(false)?;
-                        if endpoint == Endpoint::Generate && present && !f.saw_prompt {
-                            f.input_ids = Some(at);
-                        }
-                    }
-                    Key::Other => self.skip()?,
-                }
-                match self.peek() {
-                    Some(b',') => self.i += 1,
-                    Some(b'}') => {
-                        self.i += 1;
-                        break;
-                    }
-                    _ => return self.bad("expected ',' or '}'"),
-                }
-            }
+        if self.peek() != Some(b'{') {
+            return self.bad("expected an object");
         }
+        self.fields(top_key, |s, key| {
+            match key {
+                Key::Model => {
+                    once(&mut seen.model, s)?;
+                    f.model = s.opt_string(&mut f.decoded)?;
+                }
+                Key::User => {
+                    once(&mut seen.user, s)?;
+                    f.user = s.opt_string(&mut f.decoded)?;
+                }
+                Key::CacheSalt => {
+                    once(&mut seen.cache_salt, s)?;
+                    f.cache_salt = s.opt_string(&mut f.decoded)?;
+                }
+                Key::LoraPath => {
+                    once(&mut seen.lora_path, s)?;
+                    f.lora_path = s.opt_string(&mut f.decoded)?;
+                }
+                Key::Messages => {
+                    once(&mut seen.messages, s)?;
+                    let write = endpoint == Endpoint::Chat;
+                    f.saw_prompt |= s.messages(write)? && write;
+                }
+                Key::Prompt => {
+                    once(&mut seen.prompt, s)?;
+                    let write = endpoint == Endpoint::Completions;
+                    f.saw_prompt |= s.opt_prompt(write)? && write;
+                }
+                Key::Text => {
+                    once(&mut seen.text, s)?;
+                    let write = endpoint == Endpoint::Generate;
+                    let wrote = s.opt_prompt(write)?;
+                    if wrote && write {
+                        // A `text` wins over `input_ids` wherever it is.
+                        f.saw_prompt = true;
+                        f.input_ids = None;
+                    }
+                }
+                Key::InputIds => {
+                    once(&mut seen.input_ids, s)?;
+                    let at = s.i;
+                    // Read it only if no `text` came first; a `text`
+                    // later replaces it.
+                    let present = s.opt_prompt(false)?;
+                    if endpoint == Endpoint::Generate && present && !f.saw_prompt {
+                        f.input_ids = Some(at);
+                    }
+                }
+                Key::Other => s.skip()?,
+            }
+            Ok(())
+        })?;
         self.ws();
         if self.i != self.b.len() {
             return self.bad("trailing characters after the object");
@@ -372,47 +361,57 @@ impl<'a> Scanner<'a, '_> {
         Ok(f)
     }
 
-    /// An object key (the opening quote is next).
-    fn key_name(&mut self) -> Res<Key> {
-        if self.peek() != Some(b'"') {
-            return self.bad("expected a key");
+    /// The fields of the object at the cursor: each key classified by
+    /// `classify`, then `f` reads its value.
+    fn fields<K>(
+        &mut self,
+        classify: fn(&[u8]) -> K,
+        mut f: impl FnMut(&mut Self, K) -> Res<()>,
+    ) -> Res<()> {
+        self.i += 1; // the brace
+        if self.peek() == Some(b'}') {
+            self.i += 1;
+            return Ok(());
         }
-        let s = self.string(None)?;
-        let name: &[u8] = match s {
-            Str::Raw(a, e) => &self.b[a..e],
-            Str::Decoded(..) => &self.key,
-        };
-        Ok(match name {
-            b"model" => Key::Model,
-            b"messages" => Key::Messages,
-            b"prompt" => Key::Prompt,
-            b"text" => Key::Text,
-            b"input_ids" => Key::InputIds,
-            b"user" => Key::User,
-            b"cache_salt" => Key::CacheSalt,
-            b"lora_path" => Key::LoraPath,
-            _ => Key::Other,
-        })
+        loop {
+            if self.peek() != Some(b'"') {
+                return self.bad("expected a key");
+            }
+            let key = match self.string(None)? {
+                Str::Raw(a, e) => classify(&self.b[a..e]),
+                Str::Decoded(..) => classify(&self.key),
+            };
+            self.eat(b':', "expected ':'")?;
+            f(self, key)?;
+            match self.peek() {
+                Some(b',') => self.i += 1,
+                Some(b'}') => {
+                    self.i += 1;
+                    return Ok(());
+                }
+                _ => return self.bad("expected ',' or '}'"),
+            }
+        }
     }
 
-    /// A key inside a message, a part or an image URL.
-    fn inner_key(&mut self) -> Res<InnerKey> {
-        if self.peek() != Some(b'"') {
-            return self.bad("expected a key");
+    /// The elements of the array at the cursor (its bracket eaten), each
+    /// read by `f`.
+    fn elements(&mut self, mut f: impl FnMut(&mut Self) -> Res<()>) -> Res<()> {
+        if self.peek() == Some(b']') {
+            self.i += 1;
+            return Ok(());
         }
-        let s = self.string(None)?;
-        let name: &[u8] = match s {
-            Str::Raw(a, e) => &self.b[a..e],
-            Str::Decoded(..) => &self.key,
-        };
-        Ok(match name {
-            b"role" => InnerKey::Role,
-            b"content" => InnerKey::Content,
-            b"text" => InnerKey::Text,
-            b"image_url" => InnerKey::ImageUrl,
-            b"url" => InnerKey::Url,
-            _ => InnerKey::Other,
-        })
+        loop {
+            f(self)?;
+            match self.peek() {
+                Some(b',') => self.i += 1,
+                Some(b']') => {
+                    self.i += 1;
+                    return Ok(());
+                }
+                _ => return self.bad("expected ',' or ']'"),
+            }
+        }
     }
 
     /// A string or null.
@@ -770,21 +769,8 @@ impl<'a> Scanner<'a, '_> {
             Some(b'[') => self.i += 1,
             _ => return self.bad("'messages' must be an array"),
         }
-        if self.peek() == Some(b']') {
-            self.i += 1;
-            return Ok(true);
-        }
-        loop {
-            self.message(write)?;
-            match self.peek() {
-                Some(b',') => self.i += 1,
-                Some(b']') => {
-                    self.i += 1;
-                    return Ok(true);
-                }
-                _ => return self.bad("expected ',' or ']'"),
-            }
-        }
+        self.elements(|s| s.message(write))?;
+        Ok(true)
     }
 
     /// One message: `RS role US content`. The role is required, its place
@@ -793,48 +779,31 @@ impl<'a> Scanner<'a, '_> {
         if self.peek() != Some(b'{') {
             return self.bad("a message must be an object");
         }
-        self.i += 1;
         let mark = self.canon.pieces.len();
         let len_before = self.canon.len;
         self.canon.merge_from = mark;
         let mut role: Option<Str> = None;
         let mut role_buf = Vec::new();
         let mut content_seen = false;
-        if self.peek() == Some(b'}') {
-            self.i += 1;
-        } else {
-            loop {
-                let key = self.inner_key()?;
-                self.eat(b':', "expected ':'")?;
-                match key {
-                    InnerKey::Role => {
-                        if role.is_some() {
-                            return self.bad("duplicate field 'role'");
-                        }
-                        if self.peek() != Some(b'"') {
-                            return self.bad("'role' must be a string");
-                        }
-                        role = Some(self.string(Some(&mut role_buf))?);
-                    }
-                    InnerKey::Content => {
-                        if content_seen {
-                            return self.bad("duplicate field 'content'");
-                        }
-                        content_seen = true;
-                        self.content(write)?;
-                    }
-                    _ => self.skip()?,
+        self.fields(inner_key, |s, key| match key {
+            InnerKey::Role => {
+                if role.is_some() {
+                    return s.bad("duplicate field 'role'");
                 }
-                match self.peek() {
-                    Some(b',') => self.i += 1,
-                    Some(b'}') => {
-                        self.i += 1;
-                        break;
-                    }
-                    _ => return self.bad("expected ',' or '}'"),
+                if s.peek() != Some(b'"') {
+                    return s.bad("'role' must be a string");
                 }
+                role = Some(s.string(Some(&mut role_buf))?);
+                Ok(())
             }
-        }
+            InnerKey::Content => {
+                if std::mem::replace(&mut content_seen, true) {
+                    return s.bad("duplicate field 'content'");
+                }
+                s.content(write)
+            }
+            _ => s.skip(),
+        })?;
         let Some(role) = role else {
             return self.bad("a message lacks its 'role'");
         };
@@ -868,21 +837,7 @@ impl<'a> Scanner<'a, '_> {
             Some(b'"') => self.canon_string(write),
             Some(b'[') => {
                 self.i += 1;
-                if self.peek() == Some(b']') {
-                    self.i += 1;
-                    return Ok(());
-                }
-                loop {
-                    self.part(write)?;
-                    match self.peek() {
-                        Some(b',') => self.i += 1,
-                        Some(b']') => {
-                            self.i += 1;
-                            return Ok(());
-                        }
-                        _ => return self.bad("expected ',' or ']'"),
-                    }
-                }
+                self.elements(|s| s.part(write))
             }
             _ => self.bad("'content' must be a string, an array of parts or null"),
         }
@@ -893,47 +848,32 @@ impl<'a> Scanner<'a, '_> {
         if self.peek() != Some(b'{') {
             return self.bad("a content part must be an object");
         }
-        self.i += 1;
         let mut text: Option<Str> = None;
         let mut url: Option<Str> = None;
-        let mut bufs = (Vec::new(), Vec::new());
+        let (mut text_buf, mut url_buf) = (Vec::new(), Vec::new());
         let (mut saw_text, mut saw_image) = (false, false);
-        if self.peek() == Some(b'}') {
-            self.i += 1;
-        } else {
-            loop {
-                let key = self.inner_key()?;
-                self.eat(b':', "expected ':'")?;
-                match key {
-                    InnerKey::Text => {
-                        if std::mem::replace(&mut saw_text, true) {
-                            return self.bad("duplicate field 'text'");
-                        }
-                        text = self.opt_string(&mut bufs.0)?;
-                    }
-                    InnerKey::ImageUrl => {
-                        if std::mem::replace(&mut saw_image, true) {
-                            return self.bad("duplicate field 'image_url'");
-                        }
-                        url = self.image_url(&mut bufs.1)?;
-                    }
-                    _ => self.skip()?,
+        self.fields(inner_key, |s, key| match key {
+            InnerKey::Text => {
+                if std::mem::replace(&mut saw_text, true) {
+                    return s.bad("duplicate field 'text'");
                 }
-                match self.peek() {
-                    Some(b',') => self.i += 1,
-                    Some(b'}') => {
-                        self.i += 1;
-                        break;
-                    }
-                    _ => return self.bad("expected ',' or '}'"),
-                }
+                text = s.opt_string(&mut text_buf)?;
+                Ok(())
             }
-        }
+            InnerKey::ImageUrl => {
+                if std::mem::replace(&mut saw_image, true) {
+                    return s.bad("duplicate field 'image_url'");
+                }
+                url = s.image_url(&mut url_buf)?;
+                Ok(())
+            }
+            _ => s.skip(),
+        })?;
         if write {
             match (text, url) {
                 (Some(Str::Raw(a, e)), _) | (None, Some(Str::Raw(a, e))) => self.canon.body(a, e),
-                (Some(Str::Decoded(a, e)), _) => self.canon.aux(&bufs.0[a..e]),
-                (None, Some(Str::Decoded(a, e))) => self.canon.aux(&bufs.1[a..e]),
+                (Some(Str::Decoded(a, e)), _) => self.canon.aux(&text_buf[a..e]),
+                (None, Some(Str::Decoded(a, e))) => self.canon.aux(&url_buf[a..e]),
                 (None, None) => {}
             }
         }
@@ -944,38 +884,23 @@ impl<'a> Scanner<'a, '_> {
     fn image_url(&mut self, buf: &mut Vec<u8>) -> Res<Option<Str>> {
         match self.peek() {
             Some(b'n') => return self.literal(b"null").map(|()| None),
-            Some(b'{') => self.i += 1,
+            Some(b'{') => {}
             _ => return self.bad("'image_url' must be an object"),
         }
         let mut url = None;
-        if self.peek() == Some(b'}') {
-            self.i += 1;
-        } else {
-            loop {
-                let key = self.inner_key()?;
-                self.eat(b':', "expected ':'")?;
-                match key {
-                    InnerKey::Url => {
-                        if url.is_some() {
-                            return self.bad("duplicate field 'url'");
-                        }
-                        if self.peek() != Some(b'"') {
-                            return self.bad("'url' must be a string");
-                        }
-                        url = Some(self.string(Some(buf))?);
-                    }
-                    _ => self.skip()?,
+        self.fields(inner_key, |s, key| match key {
+            InnerKey::Url => {
+                if url.is_some() {
+                    return s.bad("duplicate field 'url'");
                 }
-                match self.peek() {
-                    Some(b',') => self.i += 1,
-                    Some(b'}') => {
-                        self.i += 1;
-                        break;
-                    }
-                    _ => return self.bad("expected ',' or '}'"),
+                if s.peek() != Some(b'"') {
+                    return s.bad("'url' must be a string");
                 }
+                url = Some(s.string(Some(&mut *buf))?);
+                Ok(())
             }
-        }
+            _ => s.skip(),
+        })?;
         match url {
             Some(u) => Ok(Some(u)),
             None => self.bad("'image_url' lacks its 'url'"),
@@ -1082,6 +1007,32 @@ enum InnerKey {
     ImageUrl,
     Url,
     Other,
+}
+
+fn top_key(name: &[u8]) -> Key {
+    match name {
+        b"model" => Key::Model,
+        b"messages" => Key::Messages,
+        b"prompt" => Key::Prompt,
+        b"text" => Key::Text,
+        b"input_ids" => Key::InputIds,
+        b"user" => Key::User,
+        b"cache_salt" => Key::CacheSalt,
+        b"lora_path" => Key::LoraPath,
+        _ => Key::Other,
+    }
+}
+
+/// A key inside a message, a part or an image URL.
+fn inner_key(name: &[u8]) -> InnerKey {
+    match name {
+        b"role" => InnerKey::Role,
+        b"content" => InnerKey::Content,
+        b"text" => InnerKey::Text,
+        b"image_url" => InnerKey::ImageUrl,
+        b"url" => InnerKey::Url,
+        _ => InnerKey::Other,
+    }
 }
 
 #[cfg(test)]
