@@ -65,9 +65,10 @@ fn conversations_stay_on_their_backend() {
 /// Engines whose caches cannot hold every conversation: the prefix policy
 /// keeps each conversation where its history is, round-robin scatters them.
 ///
-/// Medians of three prefix runs: at this pressure (6 system prompts on 4
+/// Medians of five prefix runs: at this pressure (6 system prompts on 4
 /// engines of 400 blocks, engines 500x faster than a GPU) single runs
-/// scatter by several points. The bounds are those of the TTFT policy
+/// scatter by several points, and a median of three still crossed the load
+/// bound in about one CI run in five (1.77 once). The bounds are those of the TTFT policy
 /// (issue 9): it keeps a conversation with its history, and a system prompt
 /// with its engine, over a moderate imbalance, so load follows the prompt
 /// mix up to its safety cap (1.5x the mean plus slack).
@@ -87,7 +88,7 @@ fn prefix_hit_rate_is_near_the_ceiling_and_far_above_round_robin() {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let runs: Vec<Summary> = (0..3).map(|_| once("prefix")).collect();
+    let runs: Vec<Summary> = (0..5).map(|_| once("prefix")).collect();
     let rr = once("round-robin");
     let hit = median(runs.iter().map(|s| s.hit_rate).collect());
     let ceiling = median(runs.iter().map(|s| s.ceiling_hit_rate).collect());
