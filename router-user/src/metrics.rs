@@ -115,9 +115,29 @@ struct CounterLabels {
     counter: &'static str,
 }
 
+/// One family member per routing decision, looked up once: the data path
+/// bumps an atomic, with no lock or hash per request.
+struct DecisionCounters {
+    warm: Counter,
+    cold: Counter,
+    bounded: Counter,
+    baseline: Counter,
+}
+
+impl DecisionCounters {
+    fn of(&self, d: Decision) -> &Counter {
+        match d {
+            Decision::Warm => &self.warm,
+            Decision::Cold => &self.cold,
+            Decision::Bounded => &self.bounded,
+            Decision::Baseline => &self.baseline,
+        }
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
-    decisions: Family<DecisionLabels, Counter>,
+    decisions: DecisionCounters,
     resends: Family<ResendLabels, Counter>,
     matched_blocks: Histogram,
     routing_seconds: Histogram,
@@ -139,7 +159,7 @@ impl Metrics {
     /// Registers every family once; the per-backend ones read `sources`.
     pub fn new(sources: Sources) -> Metrics {
         let mut registry = Registry::with_prefix("prefix_router");
-        let decisions = Family::default();
+        let decisions: Family<DecisionLabels, Counter> = Family::default();
         registry.register(
             "routing_decisions",
             "Routing decisions by kind",
@@ -157,16 +177,19 @@ impl Metrics {
                 reason: ResendName(r),
             }));
         }
-        for d in [
-            Decision::Warm,
-            Decision::Cold,
-            Decision::Bounded,
-            Decision::Baseline,
-        ] {
-            drop(decisions.get_or_create(&DecisionLabels {
-                decision: DecisionName(d),
-            }));
-        }
+        let member = |d: Decision| {
+            decisions
+                .get_or_create(&DecisionLabels {
+                    decision: DecisionName(d),
+                })
+                .clone()
+        };
+        let decisions = DecisionCounters {
+            warm: member(Decision::Warm),
+            cold: member(Decision::Cold),
+            bounded: member(Decision::Bounded),
+            baseline: member(Decision::Baseline),
+        };
         let matched_blocks =
             Histogram::new([0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0]);
         registry.register(
@@ -215,11 +238,7 @@ impl Metrics {
     /// Called once per routed request: what was decided and how long the
     /// router took from the request being read to the decision.
     pub fn observe_routing(&self, decision: Decision, matched_blocks: u32, took: Duration) {
-        self.decisions
-            .get_or_create(&DecisionLabels {
-                decision: DecisionName(decision),
-            })
-            .inc();
+        self.decisions.of(decision).inc();
         self.matched_blocks.observe(f64::from(matched_blocks));
         self.routing_seconds.observe(took.as_secs_f64());
     }
