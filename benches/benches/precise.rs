@@ -11,7 +11,9 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use prefix_router::precise::events::{Groups, decode_batch};
 use prefix_router::precise::index::{PreciseIndex, StoredChain};
 use prefix_router::precise::keys::{TokenScratch, chain_seed, engine_tokens, request_keys};
-use prefix_router::precise::tokenizer::{Choice, ModelTokenizer, TokenCache};
+use prefix_router::precise::tokenizer::{
+    Choice, DEFAULT_CACHE_TOKENS, DEFAULT_DEFER_BYTES, ModelTokenizer, TokenPool,
+};
 use prefix_router::route::MAX_BACKENDS;
 use prefix_router::route::extract::{Endpoint, Extractor};
 use prefix_router::route::hash::{DEFAULT_BLOCK_BYTES, block_hashes, namespace_seed};
@@ -68,8 +70,10 @@ fn route(c: &mut Criterion) {
         // The precise path: engine tokens, keys, and the precise index
         // holding them on backend 0 (from events).
         let (mut text, mut tokens, mut keys) = (TokenScratch::default(), Vec::new(), Vec::new());
+        let toy_pool = TokenPool::new(DEFAULT_CACHE_TOKENS, 0);
         engine_tokens(
             &Choice::Toy,
+            &toy_pool,
             Endpoint::Chat,
             &canon,
             false,
@@ -106,6 +110,7 @@ fn route(c: &mut Criterion) {
             b.iter(|| {
                 engine_tokens(
                     &Choice::Toy,
+                    &toy_pool,
                     Endpoint::Chat,
                     black_box(&canon),
                     false,
@@ -159,6 +164,7 @@ fn approximate_cost(canon: &[u8]) -> impl FnMut() -> u32 {
 /// for a new message; the walk's cost is in `precise_route`).
 fn precise_added(
     choice: &Choice,
+    pool: &TokenPool,
     ep: Endpoint,
     canon: &[u8],
     scratch: &mut TokenScratch,
@@ -167,6 +173,7 @@ fn precise_added(
     let (mut tokens, mut keys) = (Vec::new(), Vec::new());
     assert!(engine_tokens(
         choice,
+        pool,
         ep,
         black_box(canon),
         false,
@@ -221,33 +228,41 @@ fn tokenizer(c: &mut Criterion) {
     g.sample_size(30);
     g.throughput(Throughput::Elements(1));
     g.bench_function("chat_turn_approximate", |b| b.iter(&mut approx));
+    // The router's pool (new last messages tokenized by its thread), and
+    // one that tokenizes every message on the wait, side by side.
+    let pool = TokenPool::new(DEFAULT_CACHE_TOKENS, DEFAULT_DEFER_BYTES);
+    let on_wait = TokenPool::new(DEFAULT_CACHE_TOKENS, 0);
     let mut warm = TokenScratch::default();
-    precise_added(&choice, Endpoint::Chat, &canon0, &mut warm, &index);
+    for p in [&pool, &on_wait] {
+        precise_added(&choice, p, Endpoint::Chat, &canon0, &mut warm, &index);
+    }
     let mut k = 1;
-    g.bench_function("chat_turn_warm_precise_added", |b| {
-        b.iter_custom(|iters| {
-            let mut spent = Duration::ZERO;
-            for _ in 0..iters {
-                // Each turn's new message is new; the history is cached.
-                let canon = turn(k);
-                k += 1;
-                let t0 = Instant::now();
-                precise_added(&choice, Endpoint::Chat, &canon, &mut warm, &index);
-                spent += t0.elapsed();
-            }
-            spent
-        })
-    });
+    for (name, p) in [
+        ("chat_turn_warm_precise_added", &pool),
+        ("chat_turn_warm_precise_added_on_wait", &on_wait),
+    ] {
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut spent = Duration::ZERO;
+                for _ in 0..iters {
+                    // Each turn's new message is new; the history is cached.
+                    let canon = turn(k);
+                    k += 1;
+                    let t0 = Instant::now();
+                    precise_added(&choice, p, Endpoint::Chat, &canon, &mut warm, &index);
+                    spent += t0.elapsed();
+                }
+                spent
+            })
+        });
+    }
     g.bench_function("chat_turn_cold_precise_added", |b| {
         b.iter_custom(|iters| {
             let mut spent = Duration::ZERO;
             for _ in 0..iters {
-                let mut cold = TokenScratch {
-                    text: Vec::new(),
-                    cache: TokenCache::default(),
-                };
+                let cold = TokenPool::new(DEFAULT_CACHE_TOKENS, DEFAULT_DEFER_BYTES);
                 let t0 = Instant::now();
-                precise_added(&choice, Endpoint::Chat, &canon0, &mut cold, &index);
+                precise_added(&choice, &cold, Endpoint::Chat, &canon0, &mut warm, &index);
                 spent += t0.elapsed();
             }
             spent
@@ -256,7 +271,7 @@ fn tokenizer(c: &mut Criterion) {
     // The same turn again: every piece cached (rendering, cutting, hashing
     // and the cache alone).
     g.bench_function("chat_turn_repeated_precise_added", |b| {
-        b.iter(|| precise_added(&choice, Endpoint::Chat, &canon0, &mut warm, &index))
+        b.iter(|| precise_added(&choice, &pool, Endpoint::Chat, &canon0, &mut warm, &index))
     });
     // A new 800-byte message alone, encoded whole.
     let msg = words(2_000_000, 130);
@@ -266,7 +281,16 @@ fn tokenizer(c: &mut Criterion) {
     // The toy tokenizer (no tokenizer configured), for comparison.
     let mut toy = TokenScratch::default();
     g.bench_function("chat_turn_toy_precise_added", |b| {
-        b.iter(|| precise_added(&Choice::Toy, Endpoint::Chat, &canon0, &mut toy, &index))
+        b.iter(|| {
+            precise_added(
+                &Choice::Toy,
+                &on_wait,
+                Endpoint::Chat,
+                &canon0,
+                &mut toy,
+                &index,
+            )
+        })
     });
 
     // A 400 KB document: as a completion prompt, cold and seen before; as
@@ -278,13 +302,14 @@ fn tokenizer(c: &mut Criterion) {
         b.iter_custom(|iters| {
             let mut spent = Duration::ZERO;
             for _ in 0..iters {
-                let mut cold = TokenScratch::default();
+                let cold = TokenPool::new(DEFAULT_CACHE_TOKENS, 0);
                 let t0 = Instant::now();
                 precise_added(
                     &choice,
+                    &cold,
                     Endpoint::Completions,
                     doc.as_bytes(),
-                    &mut cold,
+                    &mut warm,
                     &index,
                 );
                 spent += t0.elapsed();
@@ -292,21 +317,22 @@ fn tokenizer(c: &mut Criterion) {
             spent
         })
     });
-    let mut seen = TokenScratch::default();
     precise_added(
         &choice,
+        &pool,
         Endpoint::Completions,
         doc.as_bytes(),
-        &mut seen,
+        &mut warm,
         &index,
     );
     g.bench_function("document_400KB_warm_precise_added", |b| {
         b.iter(|| {
             precise_added(
                 &choice,
+                &pool,
                 Endpoint::Completions,
                 doc.as_bytes(),
-                &mut seen,
+                &mut warm,
                 &index,
             )
         })

@@ -23,6 +23,8 @@ use prometheus_client::registry::Registry;
 
 use crate::config::Config;
 use crate::error::Resend;
+use crate::precise::Precise;
+use crate::precise::metrics::PreciseCollector;
 use crate::route::backend::{Backend, Fleet, StatusClass};
 use crate::route::index::PrefixIndex;
 use crate::route::select::Decision;
@@ -153,6 +155,8 @@ pub struct Sources {
     pub config: Arc<ArcSwap<Config>>,
     pub fleet: Arc<ArcSwap<Fleet>>,
     pub index: Arc<PrefixIndex>,
+    /// Precise mode, when on: its streams and tokenizer.
+    pub precise: Option<Arc<Precise>>,
 }
 
 impl Metrics {
@@ -222,6 +226,12 @@ impl Metrics {
             "Request body bytes buffered now, against limits.max_buffered_body_bytes",
             buffered_body_bytes.clone(),
         );
+        if let Some(precise) = sources.precise.clone() {
+            registry.register_collector(Box::new(PreciseCollector {
+                precise,
+                fleet: sources.fleet.clone(),
+            }));
+        }
         registry.register_collector(Box::new(FleetCollector(sources)));
         Metrics {
             registry,
@@ -479,6 +489,7 @@ impl Collector for FleetCollector {
             config,
             fleet,
             index,
+            precise: _,
         } = &self.0;
         let policy = config.load().policy.name();
         let fleet = fleet.load();

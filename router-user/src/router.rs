@@ -186,6 +186,7 @@ impl Router {
             config: config.clone(),
             fleet: fleet.clone(),
             index: index.clone(),
+            precise: precise.clone(),
         });
         let router = Arc::new(Router {
             precise,
@@ -358,9 +359,9 @@ impl Router {
         let Some(p) = &self.precise else {
             return;
         };
-        scratch.text.cache.set_budget(p.settings.cache_tokens);
         if !crate::precise::keys::engine_tokens(
             p.tokenizers.for_model(scratch.canon.model()),
+            &p.tokenizers.pool,
             ep,
             &scratch.canonical,
             scratch.canon.token_ids(),

@@ -8,7 +8,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use testkit::engine_proc::SimEngine;
@@ -140,7 +140,13 @@ fn chat_and_completion_tokens_equal_the_engines_block_for_block() {
     let dir = tokenizer_dir("equal");
     let dir_s = dir.to_str().expect("utf-8 path");
     let (engines, backends) = engines(2, dir_s);
-    let r = router(&backends, &engines, &format!("tokenizer_dir = {dir_s:?}"));
+    // Every message tokenized on the wait, so each explain shows every
+    // block (the next test covers a new message tokenized off the wait).
+    let r = router(
+        &backends,
+        &engines,
+        &format!("tokenizer_dir = {dir_s:?}\ntokenizer_defer_bytes = 0"),
+    );
     let urls: Vec<String> = engines.iter().map(SimEngine::url).collect();
 
     // Turn 1 of a chat: the router's blocks are the engine's tokens / 16.
@@ -201,6 +207,74 @@ fn chat_and_completion_tokens_equal_the_engines_block_for_block() {
     let ex = explain(toy.admin, "completions", &body);
     assert_ne!(ex["precise_blocks"], n / BLOCK, "{ex}");
     assert_eq!(ex["matched_blocks"], 0, "{ex}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// A turn's new short message is tokenized off the request's wait: the
+/// turn routes at once on its history's blocks (warm, to the engine holding
+/// them), and soon after the router knows the new message's tokens too.
+#[test]
+fn a_new_message_is_tokenized_off_the_wait_and_the_turn_routes_on_its_history() {
+    let dir = tokenizer_dir("defer");
+    let dir_s = dir.to_str().expect("utf-8 path");
+    let (engines, backends) = engines(2, dir_s);
+    let r = router(&backends, &engines, &format!("tokenizer_dir = {dir_s:?}"));
+    let urls: Vec<String> = engines.iter().map(SimEngine::url).collect();
+    let mut msgs = vec![("system", words(11, 120)), ("user", words(12, 60))];
+    let body = chat(&msgs);
+    let sent = post_json(r.addr, "/v1/chat/completions", &body).expect("chat");
+    assert_eq!(sent.status, 200, "{}", sent.text());
+    let url = served_by(&sent, &urls);
+    assert_warm_precise(&r, "chat", &body, &url);
+    let n1 = engine_tokens(
+        &engines[0],
+        &json!({"model": "sim-llama-8b", "messages": body["messages"]}),
+    );
+
+    let answer = sent.json()["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned();
+    msgs.push(("assistant", answer));
+    msgs.push(("user", words(13, 70)));
+    let body2 = chat(&msgs);
+    let n2 = engine_tokens(
+        &engines[0],
+        &json!({"model": "sim-llama-8b", "messages": body2["messages"]}),
+    );
+    // First sight of the new message: the blocks before it, warm.
+    let ex = explain(r.admin, "chat", &body2);
+    assert_eq!(ex["decision"], "warm", "{ex}");
+    assert_eq!(ex["chosen"], url.as_str(), "{ex}");
+    assert_eq!(matched_on(&ex, &url), "precise", "{ex}");
+    let first = ex["precise_blocks"].as_u64().expect("precise_blocks");
+    assert!(
+        first >= n1 / BLOCK && first < n2 / BLOCK,
+        "history's blocks only: {first} (turn 1: {}, turn 2: {})",
+        n1 / BLOCK,
+        n2 / BLOCK
+    );
+    // The router's thread tokenizes it: every block of the turn, soon.
+    let start = Instant::now();
+    let whole = loop {
+        let ex = explain(r.admin, "chat", &body2);
+        if ex["precise_blocks"] == n2 / BLOCK {
+            break true;
+        }
+        if start.elapsed() > WAIT {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(whole, "the new message's tokens never came");
+    let metrics = r.metrics();
+    assert!(
+        metrics.lines().any(
+            |l| l.starts_with("prefix_router_precise_tokenizer_deferred_total ")
+                && !l.ends_with(" 0")
+        ),
+        "{metrics}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 

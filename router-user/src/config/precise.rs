@@ -43,9 +43,16 @@ pub struct PreciseConfig {
     pub tokenizer_dir: Option<PathBuf>,
     /// Per model (the requests' `model`): its tokenizer directory.
     pub tokenizers: BTreeMap<String, PathBuf>,
-    /// Budget of each worker's cache of tokenized messages, in tokens (4
-    /// bytes each): a chat turn tokenizes only messages not in it.
+    /// Budget of the cache of tokenized messages (shared by the workers),
+    /// in tokens (4 bytes each): a chat turn tokenizes only messages not in
+    /// it.
     pub tokenizer_cache_tokens: usize,
+    /// A chat's last message up to this many bytes, not in the cache, is
+    /// tokenized off the request's wait (no engine can hold its blocks
+    /// yet): the request routes on the blocks before it. Longer ones (a
+    /// document that other requests may share) are tokenized at once. 0:
+    /// every message on the wait.
+    pub tokenizer_defer_bytes: usize,
 }
 
 impl Default for PreciseConfig {
@@ -61,6 +68,7 @@ impl Default for PreciseConfig {
             tokenizer_dir: None,
             tokenizers: BTreeMap::new(),
             tokenizer_cache_tokens: crate::precise::tokenizer::DEFAULT_CACHE_TOKENS,
+            tokenizer_defer_bytes: crate::precise::tokenizer::DEFAULT_DEFER_BYTES,
         }
     }
 }
@@ -71,13 +79,17 @@ impl PreciseConfig {
             block_tokens: self.block_tokens.max(1),
             burst_ms: self.burst_ms,
             recover_ms: self.recover_ms,
-            cache_tokens: self.tokenizer_cache_tokens,
         }
     }
 
     /// Loads the configured tokenizers (failures logged, see `tokenizer_dir`).
     pub fn load_tokenizers(&self) -> crate::precise::tokenizer::Tokenizers {
-        crate::precise::tokenizer::Tokenizers::load(self.tokenizer_dir.as_deref(), &self.tokenizers)
+        use crate::precise::tokenizer::{TokenPool, Tokenizers};
+        Tokenizers::load(
+            self.tokenizer_dir.as_deref(),
+            &self.tokenizers,
+            TokenPool::new(self.tokenizer_cache_tokens, self.tokenizer_defer_bytes),
+        )
     }
 
     /// Where `backend` publishes: its own `kv_events` / `kv_events_replay`
@@ -133,7 +145,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.tokenizer_dir.as_deref(), Some(Path::new("/models/a")));
         assert_eq!(c.tokenizers["llama-3.1-8b"], Path::new("/models/llama"));
-        assert_eq!(c.settings().cache_tokens, 1000);
+        assert_eq!(c.tokenizer_cache_tokens, 1000);
         // Neither directory exists: both models fall back, nothing panics.
         let t = c.load_tokenizers();
         use crate::precise::tokenizer::Choice;

@@ -65,10 +65,7 @@ fn handle(router: &Router, req: &Request, reload: &Reloader) -> Reply {
     match (req.method, req.path) {
         ("GET", "/health") => Reply::text(200, "ok\n"),
         ("GET", "/metrics") => {
-            let mut text = router.metrics.render(crate::proxy::budget::in_use());
-            if let Some(p) = &router.precise {
-                crate::precise::metrics::append(&mut text, p, &router.fleet.load());
-            }
+            let text = router.metrics.render(crate::proxy::budget::in_use());
             Reply {
                 status: 200,
                 content_type: "text/plain; version=0.0.4",

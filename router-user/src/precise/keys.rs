@@ -17,7 +17,7 @@
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use super::tokenizer::{Choice, TokenCache};
+use super::tokenizer::{Choice, TokenPool};
 use crate::route::extract::Endpoint;
 use crate::route::hash::namespace_seed;
 
@@ -77,24 +77,25 @@ const BYTES_PER_TOKEN: usize = 4;
 const MESSAGE_START: u8 = 0x1e;
 const ROLE_END: u8 = 0x1f;
 
-/// A worker's tokenizing scratch: the rendered text of the toy tokenizer
-/// and the cache of pieces already tokenized by a model's tokenizer.
+/// A worker's tokenizing scratch: the rendered text of the toy tokenizer.
 #[derive(Default)]
 pub struct TokenScratch {
     pub text: Vec<u8>,
-    pub cache: TokenCache,
 }
 
 /// The engine's tokens for a request whose canonical prompt (as
 /// `route::extract` writes it) is `canonical`, written into `out` (cleared
 /// first), with the model's tokenizer `choice`. For a chat the canonical
 /// form (`RS role US text` per message) is rendered with the chat template,
-/// then tokenized; completion text is tokenized as it is; a prompt given as
-/// token ids (`token_ids`) is those ids. False when the tokens cannot be
+/// then tokenized (a short new last message may be left out, see
+/// `tokenizer`); completion text is tokenized as it is; a prompt given as
+/// token ids (`token_ids`) is those ids. `pool` keeps the tokens of pieces
+/// seen. False when the tokens cannot be
 /// had (no tokenizer loaded for the model, or it failed on this request:
 /// reported once): the request routes on the approximate index.
 pub fn engine_tokens(
     choice: &Choice,
+    pool: &TokenPool,
     endpoint: Endpoint,
     canonical: &[u8],
     token_ids: bool,
@@ -118,9 +119,9 @@ pub fn engine_tokens(
         Choice::Unavailable => false,
         Choice::Model(t) => {
             let done = match endpoint {
-                Endpoint::Chat => t.chat_tokens(canonical, &mut scratch.cache, out),
+                Endpoint::Chat => t.chat_tokens(canonical, pool, out),
                 Endpoint::Completions | Endpoint::Generate => {
-                    t.completion_tokens(canonical, &mut scratch.cache, out)
+                    t.completion_tokens(canonical, pool, out)
                 }
             };
             match done {
@@ -200,6 +201,7 @@ mod tests {
         let (mut scratch, mut toks) = (TokenScratch::default(), Vec::new());
         assert!(engine_tokens(
             &Choice::Toy,
+            &TokenPool::new(1000, 0),
             Endpoint::Chat,
             &canon,
             false,

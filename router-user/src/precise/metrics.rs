@@ -1,121 +1,174 @@
 //! Precise mode in `/metrics` and `/admin/*`: each backend's stream state,
-//! lag, gaps, replays and decode errors.
+//! lag, gaps, replays and decode errors, and the tokenizer's pool. The
+//! collector is registered in the router's one registry (`crate::metrics`)
+//! and reads the owners' atomics at each scrape.
 
-use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+
+use arc_swap::ArcSwap;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
 
 use super::Precise;
-use super::confidence::State;
+use super::confidence::{Snapshot, State};
 use crate::route::backend::Fleet;
 
-/// The per-backend series, in Prometheus text format, inserted before an
-/// OpenMetrics `# EOF` line if `text` has one.
-pub fn append(text: &mut String, p: &Precise, fleet: &Fleet) {
-    let now = p.now_ms();
-    let snaps: Vec<_> = fleet
-        .backends
-        .iter()
-        .map(|b| (b.url.as_str(), b.slot, p.confidence[b.slot].snapshot(now)))
-        .collect();
-    let mut out = String::new();
-    let mut series = |name: &str,
-                      kind: &str,
-                      help: &str,
-                      v: &dyn Fn(usize, &super::confidence::Snapshot) -> f64| {
-        let _ = writeln!(out, "# HELP prefix_router_precise_{name} {help}");
-        let _ = writeln!(out, "# TYPE prefix_router_precise_{name} {kind}");
-        for (url, slot, s) in &snaps {
-            let suffix = if kind == "counter" { "_total" } else { "" };
-            let _ = writeln!(
-                out,
-                "prefix_router_precise_{name}{suffix}{{backend=\"{url}\"}} {}",
-                v(*slot, s)
-            );
-        }
-    };
-    series(
+/// How a per-backend series reads its value.
+enum Read {
+    Gauge(fn(&Precise, usize, &Snapshot) -> f64),
+    Int(fn(&Precise, usize, &Snapshot) -> i64),
+    Counter(fn(&Snapshot) -> u64),
+}
+
+/// Every per-backend series: name (after `prefix_router_precise_`), help.
+const PER_BACKEND: &[(&str, &str, Read)] = &[
+    (
         "exact",
-        "gauge",
-        "1 while the backend's event stream is whole (EXACT), 0 while DEGRADED.",
-        &|_, s| f64::from(u8::from(s.state == State::Exact)),
-    );
-    series(
+        "1 while the backend's event stream is whole (EXACT), 0 while DEGRADED",
+        Read::Int(|_, _, s| i64::from(s.state == State::Exact)),
+    ),
+    (
         "lag_seconds",
-        "gauge",
-        "Publish-to-apply lag of the last event batch.",
-        &|_, s| s.lag_ms / 1e3,
-    );
-    series(
+        "Publish-to-apply lag of the last event batch",
+        Read::Gauge(|_, _, s| s.lag_ms / 1e3),
+    ),
+    (
         "last_seq",
-        "gauge",
-        "Sequence number of the last batch applied (-1: none).",
-        &|_, s| s.last_seq as f64,
-    );
-    series(
+        "Sequence number of the last batch applied (-1: none)",
+        Read::Int(|_, _, s| s.last_seq),
+    ),
+    (
         "held_blocks",
-        "gauge",
-        "Blocks the engine's events say it holds.",
-        &|slot, _| p.index.held_blocks(slot) as f64,
-    );
-    series("batches", "counter", "Event batches applied.", &|_, s| {
-        s.batches as f64
-    });
-    series("events", "counter", "Events applied.", &|_, s| {
-        s.events as f64
-    });
-    series(
+        "Blocks the engine's events say it holds",
+        Read::Int(|p, slot, _| i64::try_from(p.index.held_blocks(slot)).unwrap_or(i64::MAX)),
+    ),
+    (
+        "batches",
+        "Event batches applied",
+        Read::Counter(|s| s.batches),
+    ),
+    ("events", "Events applied", Read::Counter(|s| s.events)),
+    (
         "gaps",
-        "counter",
-        "Sequence gaps seen on the live stream.",
-        &|_, s| s.gaps as f64,
-    );
-    series(
+        "Sequence gaps seen on the live stream",
+        Read::Counter(|s| s.gaps),
+    ),
+    (
         "unfilled_gaps",
-        "counter",
-        "Gaps replay could not fill (the backend was forgotten).",
-        &|_, s| s.unfilled_gaps as f64,
-    );
-    series("replays", "counter", "Replay requests sent.", &|_, s| {
-        s.replays as f64
-    });
-    series(
+        "Gaps replay could not fill (the backend was forgotten)",
+        Read::Counter(|s| s.unfilled_gaps),
+    ),
+    (
+        "replays",
+        "Replay requests sent",
+        Read::Counter(|s| s.replays),
+    ),
+    (
         "replayed_batches",
-        "counter",
-        "Batches applied from replay.",
-        &|_, s| s.replayed_batches as f64,
-    );
-    series(
+        "Batches applied from replay",
+        Read::Counter(|s| s.replayed_batches),
+    ),
+    (
         "restarts",
-        "counter",
-        "Engine restarts seen (the sequence went back).",
-        &|_, s| s.restarts as f64,
-    );
-    series(
+        "Engine restarts seen (the sequence went back)",
+        Read::Counter(|s| s.restarts),
+    ),
+    (
         "decode_errors",
-        "counter",
-        "Payloads that were not an event batch.",
-        &|_, s| s.decode_errors as f64,
-    );
-    series(
+        "Payloads that were not an event batch",
+        Read::Counter(|s| s.decode_errors),
+    ),
+    (
         "skipped_events",
-        "counter",
-        "Events of unknown kinds, skipped.",
-        &|_, s| s.skipped_events as f64,
-    );
-    series(
+        "Events of unknown kinds, skipped",
+        Read::Counter(|s| s.skipped_events),
+    ),
+    (
         "skipped_fields",
-        "counter",
-        "Unknown or malformed fields, skipped.",
-        &|_, s| s.skipped_fields as f64,
-    );
-    series(
+        "Unknown or malformed fields, skipped",
+        Read::Counter(|s| s.skipped_fields),
+    ),
+    (
         "disconnects",
-        "counter",
-        "Event connections lost.",
-        &|_, s| s.disconnects as f64,
-    );
-    match text.rfind("# EOF") {
-        Some(i) => text.insert_str(i, &out),
-        None => text.push_str(&out),
+        "Event connections lost",
+        Read::Counter(|s| s.disconnects),
+    ),
+];
+
+/// Precise mode's series, for the router's registry.
+pub struct PreciseCollector {
+    pub precise: Arc<Precise>,
+    pub fleet: Arc<ArcSwap<Fleet>>,
+}
+
+impl std::fmt::Debug for PreciseCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PreciseCollector")
+    }
+}
+
+impl Collector for PreciseCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let p = &*self.precise;
+        let now = p.now_ms();
+        let fleet = self.fleet.load();
+        let snaps: Vec<_> = fleet
+            .backends
+            .iter()
+            .map(|b| (b.url.as_str(), b.slot, p.confidence[b.slot].snapshot(now)))
+            .collect();
+        for (name, help, read) in PER_BACKEND {
+            let kind = match read {
+                Read::Gauge(_) | Read::Int(_) => MetricType::Gauge,
+                Read::Counter(_) => MetricType::Counter,
+            };
+            let name = format!("precise_{name}");
+            let help = format!("{help}.");
+            let mut family = encoder.encode_descriptor(&name, &help, None, kind)?;
+            for (url, slot, s) in &snaps {
+                let labels = [("backend", *url)];
+                let m = family.encode_family(&labels)?;
+                match read {
+                    Read::Gauge(f) => ConstGauge::new(f(p, *slot, s)).encode(m)?,
+                    Read::Int(f) => ConstGauge::new(f(p, *slot, s)).encode(m)?,
+                    Read::Counter(f) => ConstCounter::new(f(s)).encode(m)?,
+                }
+            }
+        }
+        let pool = &p.tokenizers.pool;
+        for (name, help, v) in [
+            (
+                "precise_tokenizer_tokenized",
+                "Message pieces tokenized (not found in the tokenizer's cache)",
+                pool.tokenized.load(Relaxed),
+            ),
+            (
+                "precise_tokenizer_deferred",
+                "New last messages tokenized off the request's wait",
+                pool.deferred.load(Relaxed),
+            ),
+            (
+                "precise_tokenizer_dropped",
+                "New last messages not tokenized off the wait (its queue full): the next turn tokenizes them",
+                pool.dropped.load(Relaxed),
+            ),
+        ] {
+            let help = format!("{help}.");
+            let m = encoder.encode_descriptor(name, &help, None, MetricType::Counter)?;
+            ConstCounter::new(v).encode(m)?;
+        }
+        let m = encoder.encode_descriptor(
+            "precise_tokenizer_cache_tokens",
+            "Tokens held by the tokenizer's cache.",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(i64::try_from(pool.tokens()).unwrap_or(i64::MAX)).encode(m)?;
+        Ok(())
     }
 }
 

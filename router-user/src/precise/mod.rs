@@ -46,8 +46,6 @@ pub struct Settings {
     pub burst_ms: u32,
     /// How long a backend stays DEGRADED after a lost batch.
     pub recover_ms: u64,
-    /// Budget of each worker's cache of tokenized messages, in tokens.
-    pub cache_tokens: usize,
 }
 
 /// The precise index and every backend's confidence.

@@ -7,9 +7,19 @@
 //! history every turn. So the rendered chat is cut before each added token
 //! (`<|im_start|>` in ChatML): the tokenizer itself splits its input there
 //! before anything else, so the pieces' tokens, concatenated, are the whole
-//! text's. Each piece's tokens are kept in a [`TokenCache`] keyed by a hash
-//! of the piece: a turn tokenizes only its new message. The cache is the
-//! worker's own (in its routing scratch): no lock on the request path.
+//! text's. Each piece's tokens are kept in a [`TokenPool`] keyed by a hash
+//! of the piece: a turn tokenizes only its new message. The pool is shared
+//! by every worker (a conversation's turns arrive on any worker) and split
+//! into shards, each behind its own lock, held for a lookup and a copy.
+//!
+//! A turn's new message, last in the prompt, is not tokenized on the
+//! request's wait when it is short (`defer_bytes`): no engine can hold a
+//! block of text that was never sent to it, so only the blocks before it
+//! can match, and those are known (cached). The request routes on them,
+//! and the new message is tokenized by the pool's own thread, in time for
+//! the next turn, where it is history. (Sent before, it is in the pool and
+//! tokens come whole.) A long last message (a document pasted) is
+//! tokenized at once: other requests may share its start.
 //!
 //! A tokenizer that cannot be loaded is reported once at start and its model
 //! routes on the approximate index; one that fails on a request (a template
@@ -19,8 +29,9 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex, Weak};
 
 use aho_corasick::{AhoCorasick, MatchKind};
 use minijinja::{Environment, Value, context};
@@ -34,10 +45,20 @@ use crate::route::extract::{MESSAGE_START, ROLE_END};
 /// this stops a template that loops without end after well under a second.
 const TEMPLATE_FUEL: u64 = 50_000_000;
 
-/// Default budget of a worker's [`TokenCache`], in tokens (4 bytes each):
-/// 2M tokens, 8 MB per worker, the histories of a few hundred live
-/// conversations.
-pub const DEFAULT_CACHE_TOKENS: usize = 2 << 20;
+/// Default budget of the [`TokenPool`], in tokens (4 bytes each): 8M
+/// tokens, 32 MB, the histories of a thousand or so live conversations.
+pub const DEFAULT_CACHE_TOKENS: usize = 8 << 20;
+
+/// Default longest last message whose tokenizing waits for the pool's
+/// thread: 2 KiB, a message a person types. 0: every message on the wait.
+pub const DEFAULT_DEFER_BYTES: usize = 2048;
+
+/// Shards of the pool: enough that workers rarely meet on one lock.
+const POOL_SHARDS: usize = 16;
+
+/// Messages waiting for the pool's thread; past this they are dropped
+/// (counted): the next turn tokenizes them on its own wait.
+const DEFER_QUEUE: usize = 1024;
 
 /// The tokenizer and chat template of one model.
 pub struct ModelTokenizer {
@@ -219,51 +240,72 @@ impl ModelTokenizer {
     }
 
     /// Appends the tokens of `text` (no post-processing) to `out`, piece by
-    /// piece through `cache`.
+    /// piece through `pool`. A piece that ends after `defer_from` and is not
+    /// in the pool stops the walk: its start is returned, and `out` holds
+    /// the exact tokens of the text before it.
     fn pieces_into(
         &self,
         text: &str,
-        cache: &mut TokenCache,
+        pool: &TokenPool,
         out: &mut Vec<u32>,
-    ) -> Result<(), TokenizeError> {
+        defer_from: usize,
+    ) -> Result<Option<usize>, TokenizeError> {
         let mut from = 0;
         if let Some(ac) = &self.added {
             for m in ac.find_iter(text) {
                 if self.cut[m.pattern().as_usize()] && m.start() > from {
-                    self.piece_into(&text[from..m.start()], cache, out)?;
+                    if !self.piece_into(
+                        &text[from..m.start()],
+                        pool,
+                        out,
+                        m.start() > defer_from,
+                    )? {
+                        return Ok(Some(from));
+                    }
                     from = m.start();
                 }
             }
         }
-        self.piece_into(&text[from..], cache, out)
+        if !self.piece_into(&text[from..], pool, out, text.len() > defer_from)? {
+            return Ok(Some(from));
+        }
+        Ok(None)
     }
 
+    /// Appends the tokens of `piece`; false (nothing appended) when it is
+    /// not in the pool and `defer` says to leave it.
     fn piece_into(
         &self,
         piece: &str,
-        cache: &mut TokenCache,
+        pool: &TokenPool,
         out: &mut Vec<u32>,
-    ) -> Result<(), TokenizeError> {
+        defer: bool,
+    ) -> Result<bool, TokenizeError> {
         if piece.is_empty() {
-            return Ok(());
+            return Ok(true);
         }
         let key = xxh3_64_with_seed(piece.as_bytes(), self.seed);
-        if let Some(toks) = cache.get(key) {
-            out.extend_from_slice(toks);
-            return Ok(());
+        if pool.get_into(key, out) {
+            return Ok(true);
         }
+        if defer {
+            return Ok(false);
+        }
+        pool.tokenized.fetch_add(1, Relaxed);
         let toks = self.encode(piece, false)?;
         out.extend_from_slice(&toks);
-        cache.put(key, toks.into_boxed_slice());
-        Ok(())
+        pool.put(key, toks.into_boxed_slice());
+        Ok(true)
     }
 
     /// The engine's tokens of a chat whose canonical form (`RS role US
     /// text` per message, as `route::extract` writes it) is `canonical`.
+    /// A short last message not in `pool` is left to the pool's thread
+    /// (see the module's text): `out` then holds the tokens before it.
     pub fn chat_tokens(
-        &self,
+        self: &Arc<Self>,
         canonical: &[u8],
-        cache: &mut TokenCache,
+        pool: &TokenPool,
         out: &mut Vec<u32>,
     ) -> Result<(), TokenizeError> {
         let canonical = std::str::from_utf8(canonical).map_err(err)?;
@@ -273,19 +315,30 @@ impl ModelTokenizer {
             .map(|m| m.split_once(ROLE_END as char).unwrap_or((m, "")))
             .collect();
         let text = self.render_chat(&messages)?;
-        self.pieces_into(&text, cache, out)
+        // Where the last message's text starts in the rendered chat (the
+        // template copies it whole; if it does not, nothing is left).
+        let defer_from = match messages.last() {
+            Some((_, last)) if !last.is_empty() && last.len() <= pool.defer_bytes => {
+                memchr::memmem::rfind(text.as_bytes(), last.as_bytes()).unwrap_or(usize::MAX)
+            }
+            _ => usize::MAX,
+        };
+        if let Some(at) = self.pieces_into(&text, pool, out, defer_from)? {
+            pool.defer(self, &text[at..]);
+        }
+        Ok(())
     }
 
     /// The engine's tokens of a completion prompt.
     pub fn completion_tokens(
         &self,
         text: &[u8],
-        cache: &mut TokenCache,
+        pool: &TokenPool,
         out: &mut Vec<u32>,
     ) -> Result<(), TokenizeError> {
         let text = std::str::from_utf8(text).map_err(err)?;
         out.extend_from_slice(&self.completion_prefix);
-        self.pieces_into(text, cache, out)?;
+        self.pieces_into(text, pool, out, usize::MAX)?;
         out.extend_from_slice(&self.completion_suffix);
         Ok(())
     }
@@ -311,8 +364,6 @@ pub struct TokenCache {
     map: lru::LruCache<u64, Box<[u32]>>,
     tokens: usize,
     budget: usize,
-    /// Pieces looked up and not found (tokenized).
-    misses: u64,
 }
 
 impl Default for TokenCache {
@@ -327,15 +378,6 @@ impl TokenCache {
             map: lru::LruCache::unbounded(),
             tokens: 0,
             budget,
-            misses: 0,
-        }
-    }
-
-    /// Changes the budget (dropping what is over it).
-    pub fn set_budget(&mut self, budget: usize) {
-        if budget != self.budget {
-            self.budget = budget;
-            self.trim();
         }
     }
 
@@ -344,17 +386,8 @@ impl TokenCache {
         self.tokens
     }
 
-    /// Pieces tokenized because they were not held.
-    pub fn misses(&self) -> u64 {
-        self.misses
-    }
-
     fn get(&mut self, key: u64) -> Option<&[u32]> {
-        let hit = self.map.get(&key).map(|b| &**b);
-        if hit.is_none() {
-            self.misses += 1;
-        }
-        hit
+        self.map.get(&key).map(|b| &**b)
     }
 
     fn put(&mut self, key: u64, toks: Box<[u32]>) {
@@ -379,6 +412,146 @@ impl TokenCache {
     }
 }
 
+/// A message left to the pool's thread.
+struct Deferred {
+    tokenizer: Arc<ModelTokenizer>,
+    text: String,
+}
+
+/// The tokens of pieces already seen, shared by every worker: a
+/// [`TokenCache`] per shard, and the thread that tokenizes what requests
+/// left (see the module's text). The thread ends when the pool is dropped.
+pub struct TokenPool {
+    shards: Box<[Mutex<TokenCache>]>,
+    /// Longest last message left to the thread (0: none is).
+    defer_bytes: usize,
+    queue: Option<SyncSender<Deferred>>,
+    /// Pieces tokenized on a request's wait.
+    pub tokenized: AtomicU64,
+    /// Messages left to the thread, and those dropped with its queue full.
+    pub deferred: AtomicU64,
+    pub dropped: AtomicU64,
+}
+
+impl fmt::Debug for TokenPool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TokenPool")
+            .field("shards", &self.shards.len())
+            .field("defer_bytes", &self.defer_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TokenPool {
+    /// A pool of `budget` tokens leaving last messages up to `defer_bytes`
+    /// to its own thread.
+    pub fn new(budget: usize, defer_bytes: usize) -> Arc<TokenPool> {
+        let per_shard = (budget / POOL_SHARDS).max(1);
+        let shards = (0..POOL_SHARDS)
+            .map(|_| Mutex::new(TokenCache::new(per_shard)))
+            .collect();
+        if defer_bytes == 0 {
+            return Arc::new(TokenPool::with(shards, 0, None));
+        }
+        let (tx, rx) = sync_channel(DEFER_QUEUE);
+        // The thread upgrades its handle only for a job, and jobs come
+        // after the pool is built.
+        Arc::new_cyclic(|weak: &Weak<TokenPool>| {
+            let weak = weak.clone();
+            let spawned = std::thread::Builder::new()
+                .name("precise-tokenize".into())
+                .spawn(move || tokenize_deferred(&weak, &rx));
+            match spawned {
+                Ok(_) => TokenPool::with(shards, defer_bytes, Some(tx)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "precise mode: no tokenizing thread; every message is tokenized on its request's wait");
+                    TokenPool::with(shards, 0, None)
+                }
+            }
+        })
+    }
+
+    fn with(
+        shards: Box<[Mutex<TokenCache>]>,
+        defer_bytes: usize,
+        queue: Option<SyncSender<Deferred>>,
+    ) -> TokenPool {
+        TokenPool {
+            shards,
+            defer_bytes,
+            queue,
+            tokenized: AtomicU64::new(0),
+            deferred: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+        }
+    }
+
+    fn shard(&self, key: u64) -> std::sync::MutexGuard<'_, TokenCache> {
+        // The key is a hash: its top bits pick the shard. A worker that
+        // panicked holding a shard left a whole cache; keep using it.
+        let i = (key >> 60) as usize % self.shards.len();
+        self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Appends the tokens of the piece `key` to `out`; false if not held.
+    fn get_into(&self, key: u64, out: &mut Vec<u32>) -> bool {
+        match self.shard(key).get(key) {
+            Some(toks) => {
+                out.extend_from_slice(toks);
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn put(&self, key: u64, toks: Box<[u32]>) {
+        self.shard(key).put(key, toks);
+    }
+
+    /// Tokens held.
+    pub fn tokens(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).tokens())
+            .sum()
+    }
+
+    /// Leaves `text` (pieces of `tokenizer`'s) to the thread.
+    fn defer(&self, tokenizer: &Arc<ModelTokenizer>, text: &str) {
+        let Some(q) = &self.queue else {
+            return;
+        };
+        let job = Deferred {
+            tokenizer: tokenizer.clone(),
+            text: text.to_owned(),
+        };
+        match q.try_send(job) {
+            Ok(()) => self.deferred.fetch_add(1, Relaxed),
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                self.dropped.fetch_add(1, Relaxed)
+            }
+        };
+    }
+}
+
+/// The pool's thread: tokenizes what requests left, into the pool, until
+/// the pool is gone.
+fn tokenize_deferred(pool: &Weak<TokenPool>, rx: &Receiver<Deferred>) {
+    let mut sink = Vec::new();
+    while let Ok(job) = rx.recv() {
+        let Some(pool) = pool.upgrade() else {
+            return;
+        };
+        sink.clear();
+        if let Err(e) = job
+            .tokenizer
+            .pieces_into(&job.text, &pool, &mut sink, usize::MAX)
+        {
+            job.tokenizer.warn_once(&e);
+        }
+    }
+}
+
 /// Which tokenizer a model's requests use.
 #[derive(Clone, Debug)]
 pub enum Choice {
@@ -395,6 +568,9 @@ pub enum Choice {
 pub struct Tokenizers {
     default: Choice,
     models: BTreeMap<String, Choice>,
+    /// The tokens of pieces seen, every model's (keys are seeded per
+    /// tokenizer).
+    pub pool: Arc<TokenPool>,
 }
 
 impl Default for Tokenizers {
@@ -402,6 +578,7 @@ impl Default for Tokenizers {
         Tokenizers {
             default: Choice::Toy,
             models: BTreeMap::new(),
+            pool: TokenPool::new(DEFAULT_CACHE_TOKENS, 0),
         }
     }
 }
@@ -409,8 +586,12 @@ impl Default for Tokenizers {
 impl Tokenizers {
     /// Loads `default_dir` (for every model without an entry) and each
     /// model's directory. A failure is logged (once, here) and leaves that
-    /// model on the approximate index.
-    pub fn load(default_dir: Option<&Path>, models: &BTreeMap<String, PathBuf>) -> Tokenizers {
+    /// model on the approximate index. `pool`: where their tokens are kept.
+    pub fn load(
+        default_dir: Option<&Path>,
+        models: &BTreeMap<String, PathBuf>,
+        pool: Arc<TokenPool>,
+    ) -> Tokenizers {
         let load = |dir: &Path, model: &str| match ModelTokenizer::load(dir) {
             Ok(t) => {
                 tracing::info!(model, tokenizer = %dir.display(), "precise mode: tokenizer loaded");
@@ -432,6 +613,7 @@ impl Tokenizers {
                 .iter()
                 .map(|(m, d)| (m.clone(), load(d, m)))
                 .collect(),
+            pool,
         }
     }
 

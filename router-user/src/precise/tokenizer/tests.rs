@@ -100,53 +100,112 @@ fn canonical(msgs: &[(&str, &str)]) -> Vec<u8> {
     c
 }
 
+/// A pool that tokenizes every message on the request's wait.
+fn pool_now() -> Arc<TokenPool> {
+    TokenPool::new(DEFAULT_CACHE_TOKENS, 0)
+}
+
+fn tokenized(pool: &TokenPool) -> u64 {
+    pool.tokenized.load(Relaxed)
+}
+
+fn as_pairs(history: &[(String, String)]) -> Vec<(&str, &str)> {
+    history
+        .iter()
+        .map(|(r, c)| (r.as_str(), c.as_str()))
+        .collect()
+}
+
 #[test]
 fn chat_tokens_by_piece_equal_the_whole_rendered_chat() {
     let dir = fixture("chat", CHATML);
-    let t = ModelTokenizer::load(&dir).unwrap();
-    let mut cache = TokenCache::default();
+    let t = Arc::new(ModelTokenizer::load(&dir).unwrap());
+    let pool = pool_now();
     let mut history: Vec<(String, String)> = vec![("system".into(), words(1, 40))];
     for turn in 0..6u64 {
         history.push(("user".into(), words(100 + turn, 30 + 7 * turn as usize)));
-        let msgs: Vec<(&str, &str)> = history
-            .iter()
-            .map(|(r, c)| (r.as_str(), c.as_str()))
-            .collect();
+        let msgs = as_pairs(&history);
         let want = t.encode(&t.render_chat(&msgs).unwrap(), false).unwrap();
         assert!(want.len() > 40, "the fixture tokenizes into real tokens");
-        let misses = cache.misses();
+        let before = tokenized(&pool);
         let mut got = Vec::new();
-        t.chat_tokens(&canonical(&msgs), &mut cache, &mut got)
-            .unwrap();
+        t.chat_tokens(&canonical(&msgs), &pool, &mut got).unwrap();
         assert_eq!(got, want, "turn {turn}");
         if turn > 0 {
             // The history is cached: only the new user message, the
             // previous answer and the generation prompt are tokenized.
-            assert!(cache.misses() - misses <= 3, "turn {turn}");
+            assert!(tokenized(&pool) - before <= 3, "turn {turn}");
         }
         history.push(("assistant".into(), words(200 + turn, 25)));
     }
     // Warm: the same chat again tokenizes nothing.
-    let msgs: Vec<(&str, &str)> = history
-        .iter()
-        .map(|(r, c)| (r.as_str(), c.as_str()))
-        .collect();
+    let msgs = as_pairs(&history);
     let mut a = Vec::new();
-    t.chat_tokens(&canonical(&msgs), &mut cache, &mut a)
-        .unwrap();
-    let misses = cache.misses();
+    t.chat_tokens(&canonical(&msgs), &pool, &mut a).unwrap();
+    let before = tokenized(&pool);
     let mut b = Vec::new();
-    t.chat_tokens(&canonical(&msgs), &mut cache, &mut b)
-        .unwrap();
+    t.chat_tokens(&canonical(&msgs), &pool, &mut b).unwrap();
     assert_eq!(a, b);
-    assert_eq!(cache.misses(), misses);
+    assert_eq!(tokenized(&pool), before);
+}
+
+/// A new short last message is left to the pool's thread: the request gets
+/// the exact tokens before it at once, and the whole once the thread ran.
+/// A long one (a document) is tokenized on the wait.
+#[test]
+fn a_new_short_last_message_is_tokenized_off_the_wait() {
+    let dir = fixture("defer", CHATML);
+    let t = Arc::new(ModelTokenizer::load(&dir).unwrap());
+    let pool = TokenPool::new(DEFAULT_CACHE_TOKENS, 2048);
+    let mut history: Vec<(String, String)> = vec![
+        ("system".into(), words(1, 60)),
+        ("user".into(), words(2, 40)),
+        ("assistant".into(), words(3, 40)),
+    ];
+    history.push(("user".into(), words(4, 50)));
+    let msgs = as_pairs(&history);
+    let canon = canonical(&msgs);
+    let want = t.encode(&t.render_chat(&msgs).unwrap(), false).unwrap();
+    // The history up to the new message, as the engine tokenizes it.
+    let head = t
+        .encode(&t.render_chat(&msgs[..3]).unwrap(), false)
+        .unwrap();
+    let head = &head[..head.len() - t.encode("<|im_start|>assistant\n", false).unwrap().len()];
+    let mut got = Vec::new();
+    t.chat_tokens(&canon, &pool, &mut got).unwrap();
+    assert_eq!(got, head, "the history's tokens, without the new message");
+    assert!(want.starts_with(&got) && got.len() < want.len());
+    assert_eq!(pool.deferred.load(Relaxed), 1);
+    // The thread tokenizes it: soon the same request gets every token.
+    let mut whole = false;
+    for _ in 0..500 {
+        let mut again = Vec::new();
+        let before = tokenized(&pool);
+        t.chat_tokens(&canon, &pool, &mut again).unwrap();
+        if again == want && tokenized(&pool) == before {
+            whole = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(whole, "the pool's thread tokenized the new message");
+    // A long new last message is tokenized on the wait.
+    history.push(("assistant".into(), words(5, 20)));
+    history.push(("user".into(), words(6, 2000)));
+    let msgs = as_pairs(&history);
+    assert!(msgs.last().unwrap().1.len() > 2048);
+    let want = t.encode(&t.render_chat(&msgs).unwrap(), false).unwrap();
+    let mut got = Vec::new();
+    t.chat_tokens(&canonical(&msgs), &pool, &mut got).unwrap();
+    assert_eq!(got, want);
+    assert_eq!(pool.deferred.load(Relaxed), 1, "nothing more was left");
 }
 
 #[test]
 fn completion_tokens_equal_the_whole_with_the_post_processor() {
     let dir = fixture("completion", CHATML);
-    let t = ModelTokenizer::load(&dir).unwrap();
-    let mut cache = TokenCache::default();
+    let t = Arc::new(ModelTokenizer::load(&dir).unwrap());
+    let pool = pool_now();
     let text = format!(
         "{}<|im_start|>user\n{}<|im_end|>\n{}",
         words(7, 50),
@@ -157,12 +216,12 @@ fn completion_tokens_equal_the_whole_with_the_post_processor() {
     let bos = t.tokenizer.token_to_id("<|endoftext|>").unwrap();
     assert_eq!(want[0], bos, "the fixture's post-processor adds a BOS");
     let mut got = Vec::new();
-    t.completion_tokens(text.as_bytes(), &mut cache, &mut got)
+    t.completion_tokens(text.as_bytes(), &pool, &mut got)
         .unwrap();
     assert_eq!(got, want);
     // A chat is tokenized without the post-processor, as vLLM does.
     let mut chat = Vec::new();
-    t.chat_tokens(&canonical(&[("user", "hi")]), &mut cache, &mut chat)
+    t.chat_tokens(&canonical(&[("user", "hi")]), &pool, &mut chat)
         .unwrap();
     assert_ne!(chat[0], bos);
 }
@@ -170,15 +229,15 @@ fn completion_tokens_equal_the_whole_with_the_post_processor() {
 #[test]
 fn the_cache_stays_within_its_budget() {
     let dir = fixture("budget", CHATML);
-    let t = ModelTokenizer::load(&dir).unwrap();
-    let mut cache = TokenCache::new(300);
-    for i in 0..50 {
+    let t = Arc::new(ModelTokenizer::load(&dir).unwrap());
+    let pool = TokenPool::new(3000, 0);
+    for i in 0..200 {
         let mut out = Vec::new();
-        t.chat_tokens(&canonical(&[("user", &words(i, 30))]), &mut cache, &mut out)
+        t.chat_tokens(&canonical(&[("user", &words(i, 30))]), &pool, &mut out)
             .unwrap();
-        assert!(cache.tokens() <= 300);
+        assert!(pool.tokens() <= 3000);
     }
-    assert!(cache.tokens() > 0);
+    assert!(pool.tokens() > 0);
 }
 
 #[test]
@@ -190,7 +249,7 @@ fn a_missing_or_failing_tokenizer_falls_back_to_the_approximate_index() {
         "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
     );
     models.insert("strict".to_owned(), raising);
-    let all = Tokenizers::load(None, &models);
+    let all = Tokenizers::load(None, &models, pool_now());
     assert!(matches!(all.for_model(b"gone"), Choice::Unavailable));
     assert!(matches!(all.for_model(b"other"), Choice::Toy));
     let mut scratch = TokenScratch::default();
@@ -198,6 +257,7 @@ fn a_missing_or_failing_tokenizer_falls_back_to_the_approximate_index() {
     let canon = canonical(&[("user", "hello")]);
     assert!(!engine_tokens(
         all.for_model(b"gone"),
+        &all.pool,
         Endpoint::Chat,
         &canon,
         false,
@@ -209,6 +269,7 @@ fn a_missing_or_failing_tokenizer_falls_back_to_the_approximate_index() {
     let strict = all.for_model(b"strict");
     assert!(!engine_tokens(
         strict,
+        &all.pool,
         Endpoint::Chat,
         &canon,
         false,
@@ -223,6 +284,7 @@ fn a_missing_or_failing_tokenizer_falls_back_to_the_approximate_index() {
     let ok = canonical(&[("system", "be brief"), ("user", "hello")]);
     assert!(engine_tokens(
         strict,
+        &all.pool,
         Endpoint::Chat,
         &ok,
         false,
@@ -233,6 +295,7 @@ fn a_missing_or_failing_tokenizer_falls_back_to_the_approximate_index() {
     let ids: Vec<u8> = [5u32, 6, 7].iter().flat_map(|t| t.to_le_bytes()).collect();
     assert!(engine_tokens(
         all.for_model(b"gone"),
+        &all.pool,
         Endpoint::Completions,
         &ids,
         true,
