@@ -143,6 +143,7 @@ pub struct Metrics {
     resends: Family<ResendLabels, Counter>,
     matched_blocks: Histogram,
     routing_seconds: Histogram,
+    queue_seconds: Histogram,
     /// Requests a backend closed on after reading them whole (502, not re-sent).
     unanswered: Counter,
     /// Admin connections refused because `MAX_CONNECTIONS` were open.
@@ -205,8 +206,15 @@ impl Metrics {
             Histogram::new([5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3]);
         registry.register(
             "routing_seconds",
-            "Router time from the whole request read to the routing decision (extraction, hashing, index, selection)",
+            "Router time from the whole request read to the routing decision (extraction, hashing, index, selection), without the time queued for a backend with room",
             routing_seconds.clone(),
+        );
+        let queue_seconds =
+            Histogram::new([1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 5.0]);
+        registry.register(
+            "queue_seconds",
+            "Time a request waited for a backend with room (every one at limits.max_in_flight_per_backend), queued requests only",
+            queue_seconds.clone(),
         );
         let unanswered = Counter::default();
         registry.register(
@@ -239,6 +247,7 @@ impl Metrics {
             resends,
             matched_blocks,
             routing_seconds,
+            queue_seconds,
             unanswered,
             admin_refused,
             buffered_body_bytes,
@@ -251,6 +260,11 @@ impl Metrics {
         self.decisions.of(decision).inc();
         self.matched_blocks.observe(f64::from(matched_blocks));
         self.routing_seconds.observe(took.as_secs_f64());
+    }
+
+    /// A request waited this long for a backend with room.
+    pub fn observe_queue(&self, waited: Duration) {
+        self.queue_seconds.observe(waited.as_secs_f64());
     }
 
     /// The admin listener refused a connection (too many open).

@@ -57,6 +57,23 @@ fn a_request_over_the_in_flight_limit_waits_for_room() {
         done[1].1
     );
     assert_eq!(r.backend(&e.url())["requests"], 2);
+    // The wait is the queue's, not routing's: one queued request, waiting
+    // most of the stall; no routing decision took as long.
+    let m = r.metrics();
+    let value = |name: &str| -> f64 {
+        m.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} in {m}"))
+    };
+    assert_eq!(value("prefix_router_queue_seconds_count"), 1.0, "{m}");
+    assert!(
+        value("prefix_router_queue_seconds_sum") >= stall as f64 / 2e3,
+        "{m}"
+    );
+    assert!(
+        value("prefix_router_routing_seconds_sum") < stall as f64 / 4e3,
+        "{m}"
+    );
 }
 
 #[test]

@@ -39,22 +39,37 @@ pub async fn handle(
     let mut resend: Option<Resend> = None;
     let mut deposited = false;
     loop {
+        let started = Instant::now();
         let mut routed = route_once(worker, c, req)?;
+        // The router's own time: from the request read to the first
+        // decision, plus each decision again after waiting; the wait itself
+        // is the queue's.
+        let mut routing = if attempts == 0 {
+            req.read_at.elapsed()
+        } else {
+            started.elapsed()
+        };
         let queued = routed.choice.len == 0 && queueable(cfg, &routed);
         if queued {
             // Every up backend is at `limits.max_in_flight_per_backend`: wait
             // for room (atomic loads only), then route again, until `queue_ms`.
+            let waiting = Instant::now();
             while routed.choice.len == 0 && Instant::now() < deadline {
                 monoio::time::sleep(QUEUE_POLL).await;
                 if has_room(cfg, &routed) {
+                    let again = Instant::now();
                     routed = route_once(worker, c, req)?;
+                    routing += again.elapsed();
                 }
             }
+            router
+                .metrics
+                .observe_queue(waiting.elapsed().saturating_sub(routing));
         }
         router.metrics.observe_routing(
             routed.choice.decision,
             routed.choice.matched_blocks,
-            req.read_at.elapsed(),
+            routing,
         );
         if routed.choice.len == 0 {
             return Err(if queued {

@@ -199,7 +199,11 @@ fn a_new_short_last_message_is_tokenized_off_the_wait() {
     let mut got = Vec::new();
     t.chat_tokens(&canonical(&msgs), &pool, &mut got).unwrap();
     assert_eq!(got, want);
-    assert_eq!(pool.deferred.load(Relaxed), deferred, "nothing more was left");
+    assert_eq!(
+        pool.deferred.load(Relaxed),
+        deferred,
+        "nothing more was left"
+    );
 }
 
 #[test]
