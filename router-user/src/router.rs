@@ -378,8 +378,9 @@ impl Router {
         if !salt.is_empty() {
             scratch.first_extra.push(salt.to_vec());
         }
+        let adapter = p.adapters.of_model(scratch.canon.model());
         crate::precise::keys::request_keys(
-            crate::precise::keys::chain_seed(None),
+            crate::precise::keys::chain_seed(adapter),
             &scratch.tokens,
             p.settings.block_tokens,
             &scratch.first_extra,

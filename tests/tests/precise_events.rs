@@ -574,7 +574,14 @@ for line in sys.stdin:
         n = len(toks) // 16
         hashes = [h(kind, first + i) for i in range(n)]
         toks = toks[: n * 16]
-        if enc == "array":
+        lora = cmd.get("lora")
+        if lora is not None:
+            # A LoRA adapter's blocks, as vLLM sends them: its name in the
+            # event and in every block's extra keys.
+            events.append({"type": "BlockStored", "block_hashes": hashes, "token_ids": toks,
+                           "block_size": 16, "lora_id": 1, "lora_name": lora,
+                           "extra_keys": [[lora]] * n})
+        elif enc == "array":
             # An older vLLM: the event stops after `medium`.
             events.append(["BlockStored", hashes, None, toks, 16, None, "GPU"])
             events.append(["BlockMoved", hashes])
@@ -771,6 +778,21 @@ fn the_router_decodes_what_a_python_engine_publishes_in_both_encodings() {
     );
     assert!(s.wait_precise(&url, |p| p["last_seq"] == 5));
     assert_warm_precise(&s, &a, &url);
+    // A LoRA adapter's blocks match requests for that adapter (its name in
+    // `model`) and no others: the same chat for the base model matches
+    // nothing, though its tokens are the same.
+    let mut lora = chat("lanterns");
+    lora["model"] = json!("support-adapter");
+    publish(
+        json!({"op": "stored", "encoding": "map", "hashes": "u64", "tokens": tokens(&lora), "first": 300, "lora": "support-adapter"}),
+        6,
+    );
+    assert!(s.wait_precise(&url, |p| p["last_seq"] == 6));
+    assert_warm_precise(&s, &lora, &url);
+    let base = chat("lanterns");
+    let ex = s.explain(&base);
+    assert_eq!(matched_on(&ex, &url), "precise", "{ex}");
+    assert_eq!(ex["matched_blocks"], 0, "the base model holds none: {ex}");
     drop(stdin);
     let _ = std::fs::remove_file(&script);
 }

@@ -26,8 +26,10 @@ pub mod subscriber;
 pub mod tokenizer;
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::time::Instant;
+
+use arc_swap::ArcSwap;
 
 use confidence::{Confidence, Reason, State};
 use events::{Batch, Event};
@@ -48,6 +50,52 @@ pub struct Settings {
     pub recover_ms: u64,
 }
 
+/// Most LoRA adapter names remembered (a bound on memory; vLLM serves a
+/// handful per engine, `--max-loras`).
+const MAX_ADAPTERS: usize = 4096;
+
+/// The LoRA adapters the engines' events name. vLLM keys an adapter's
+/// blocks apart (its name in every block's extra keys); a request names the
+/// adapter in its `model`. So a request whose `model` is a name seen here
+/// is keyed in that adapter's namespace, as the subscriber keys the
+/// engine's blocks, and matches them; any other is keyed as the base model.
+#[derive(Default)]
+pub struct Adapters {
+    names: ArcSwap<hashbrown::HashSet<Box<[u8]>>>,
+    full: AtomicBool,
+}
+
+impl Adapters {
+    /// Remembers `name` (an event's `lora_name`).
+    pub fn learn(&self, name: &str) {
+        if self.names.load().contains(name.as_bytes()) {
+            return;
+        }
+        if self.names.load().len() >= MAX_ADAPTERS {
+            if !self.full.swap(true, Relaxed) {
+                tracing::warn!(
+                    max = MAX_ADAPTERS,
+                    "precise mode: too many LoRA adapters named in events; requests for new ones are keyed as the base model"
+                );
+            }
+            return;
+        }
+        self.names.rcu(|set| {
+            let mut set = (**set).clone();
+            set.insert(name.as_bytes().into());
+            set
+        });
+    }
+
+    /// The adapter a request's `model` names, if the engines serve it.
+    pub fn of_model<'a>(&self, model: &'a [u8]) -> Option<&'a str> {
+        if model.is_empty() || !self.names.load().contains(model) {
+            return None;
+        }
+        std::str::from_utf8(model).ok()
+    }
+}
+
 /// The precise index and every backend's confidence.
 pub struct Precise {
     pub index: PreciseIndex,
@@ -58,6 +106,8 @@ pub struct Precise {
     pub settings: Settings,
     /// Each model's tokenizer (loaded at start).
     pub tokenizers: Tokenizers,
+    /// LoRA adapters the events name.
+    pub adapters: Adapters,
     started: Instant,
 }
 
@@ -74,6 +124,7 @@ impl Precise {
             approx,
             confidence: (0..MAX_BACKENDS).map(|_| Confidence::new()).collect(),
             settings,
+            adapters: Adapters::default(),
             started: Instant::now(),
         }
     }
@@ -143,6 +194,19 @@ impl Precise {
                 } => {
                     let block = block_size.map_or(self.settings.block_tokens, |b| b as usize);
                     let seed = keys::chain_seed(lora_name.as_deref());
+                    // The adapter is in the chain's seed: its name, which
+                    // vLLM also puts in every block's extra keys (some
+                    // versions do not), is left out of them, so the keys
+                    // are the same whichever the engine sends.
+                    let stripped;
+                    let extra = match lora_name {
+                        Some(l) => {
+                            self.adapters.learn(l);
+                            stripped = without(extra_keys, l.as_bytes());
+                            &stripped
+                        }
+                        None => extra_keys,
+                    };
                     match self.index.stored(
                         slot,
                         &index::StoredChain {
@@ -151,7 +215,7 @@ impl Precise {
                             hashes,
                             tokens: token_ids,
                             block,
-                            extra: extra_keys,
+                            extra,
                         },
                     ) {
                         Ok(_) => {}
@@ -175,4 +239,17 @@ impl Precise {
         let lag_us = ((now - batch.ts).max(0.0) * 1e6) as u64;
         c.applied(seq, lag_us, batch.events.len());
     }
+}
+
+/// `extra` (per block, its extra keys) without the key `name`.
+fn without(extra: &[Vec<Vec<u8>>], name: &[u8]) -> Vec<Vec<Vec<u8>>> {
+    extra
+        .iter()
+        .map(|keys| {
+            keys.iter()
+                .filter(|k| k.as_slice() != name)
+                .cloned()
+                .collect()
+        })
+        .collect()
 }
