@@ -15,7 +15,10 @@
 //! Routing reads, per backend, the precise index while that backend is
 //! EXACT and the approximate index (`route::index`, always kept) while it
 //! is DEGRADED. Invariant: nothing here runs on the request path but
-//! [`Precise::matches`] and [`Precise::guard`] (atomics, no lock, no I/O).
+//! [`Precise::matches`] and [`Precise::guard`] (atomics, no lock, no I/O),
+//! [`Adapters::of_model`] (a snapshot's load) and the tokenizer (its
+//! cache's shard locks are held for a lookup and a copy, never while
+//! tokenizing; no I/O).
 
 pub mod confidence;
 pub mod events;
