@@ -3,7 +3,9 @@
 
 use crate::error::{Kind, RouterError};
 use crate::http::request::RequestHead;
+use crate::route::backend::Fleet;
 use crate::route::extract::Endpoint;
+use crate::route::models::ModelTable;
 
 /// The traffic port's allowlist: the inference API, plus `extra` (paths in
 /// normal form, any method). Anything else is a 404 (405 for a known path
@@ -34,6 +36,41 @@ pub fn check_route(head: &RequestHead, fwd: &[u8], extra: &[String]) -> Result<(
             ),
         ))
     }
+}
+
+/// Whether the router answers the request itself: `GET` (or `HEAD`)
+/// `/v1/models`, the fleet's models.
+pub fn answers_itself(head: &RequestHead, fwd: &[u8]) -> bool {
+    head.path(fwd) == "/v1/models" && matches!(head.method(fwd), "GET" | "HEAD")
+}
+
+/// The router's own `GET /v1/models` (`HEAD`: the same head, no body):
+/// the OpenAI list of every model the fleet's up backends serve, each once,
+/// adapters with their `parent` (as vLLM lists them). Names only: no
+/// backend, no path on an engine's disk (`root` is the model's id).
+pub fn models_answer(table: &ModelTable, fleet: &Fleet, head_only: bool, close: bool) -> Vec<u8> {
+    let up = |slot: usize| fleet.by_slot(slot).is_some_and(|b| b.health.is_up());
+    let data: Vec<serde_json::Value> = table
+        .served(up)
+        .into_iter()
+        .map(|(id, parent)| {
+            serde_json::json!({
+                "id": id, "object": "model", "created": 0, "owned_by": "prefix-router",
+                "root": parent.unwrap_or(id), "parent": parent,
+            })
+        })
+        .collect();
+    let body = serde_json::json!({"object": "list", "data": data}).to_string();
+    let mut out = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}\r\n",
+        body.len(),
+        if close { "connection: close\r\n" } else { "" }
+    )
+    .into_bytes();
+    if !head_only {
+        out.extend_from_slice(body.as_bytes());
+    }
+    out
 }
 
 /// The endpoint whose body carries the prompt, if the request is one.
