@@ -33,7 +33,10 @@ pub async fn handle(
 ) -> Result<bool, RouterError> {
     let router = &worker.router;
     api::check_route(req.head, &c.fwd, &cfg.routes.extra_allowed)?;
-    if api::answers_itself(req.head, &c.fwd) {
+    // Until some backend's models are known (discovery off, engines that
+    // do not list them, or before the first answer) `/v1/models` is
+    // forwarded to a backend, as any request.
+    if api::answers_itself(req.head, &c.fwd) && router.models.table().knows_models() {
         let head_only = req.head.method(&c.fwd) == "HEAD";
         let close = !req.head.keep_alive;
         let mut resp = api::models_answer(

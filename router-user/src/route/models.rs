@@ -462,6 +462,11 @@ impl ModelTable {
         v
     }
 
+    /// Whether any backend's models are known (listed or pinned).
+    pub fn knows_models(&self) -> bool {
+        self.entries.iter().any(|e| !e.servers.is_empty())
+    }
+
     /// The pools' names, in config order.
     pub fn pools(&self) -> impl Iterator<Item = &Pool> {
         self.pools.iter()
