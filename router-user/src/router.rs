@@ -256,6 +256,7 @@ impl Router {
     /// Builds the model table again from the fleet, the config and what
     /// discovery found (after either changed; see `control::models`).
     pub fn sync_models(&self) {
+        let _one = self.models.rebuilding();
         let fleet = self.fleet.load();
         let members: Vec<Member> = fleet
             .backends

@@ -157,6 +157,11 @@ fn every_request_reaches_an_engine_that_serves_its_model() {
     let urls: Vec<String> = engines.iter().map(|e| e.url()).collect();
     let r = Router::spawn(&urls, &[], FAST_PROBES);
     wait_models(&r, &["chat", "small", "sql"]);
+    // What each backend serves, on the admin API.
+    assert_eq!(
+        r.backend(&chat_lora.url())["models"],
+        json!(["chat", "sql"])
+    );
     // The union, each once, the adapter with its base; no backend named.
     let listed = router_models(&r);
     assert_eq!(listed[2], ("sql".to_owned(), json!("chat")));
@@ -329,6 +334,11 @@ fn missing_and_malformed_model_lists_change_nothing_they_should_not() {
     let unlisted = listing_fake(3);
     let r = Router::spawn(&[listed.fake.url(), unlisted.fake.url()], &[], FAST_PROBES);
     wait_models(&r, &["fake-model"]);
+    assert_eq!(
+        r.backend(&unlisted.fake.url())["models"],
+        Value::Null,
+        "unknown"
+    );
     let send = |model: &str| {
         post_json(r.addr, "/v1/chat/completions", &chat(Some(model), 0, false))
             .unwrap()

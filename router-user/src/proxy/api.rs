@@ -107,6 +107,76 @@ mod tests {
     }
 
     #[test]
+    fn the_models_answer_lists_what_up_backends_serve_and_names_no_backend() {
+        use crate::route::backend::Backend;
+        use crate::route::models::{Member, ModelTable, Served, ServedModel, Spec};
+        use std::sync::Arc;
+        let urls = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"];
+        let fleet = Fleet {
+            backends: urls
+                .iter()
+                .enumerate()
+                .map(|(i, u)| Arc::new(Backend::new(i, u, "10.0.0.1:8000".parse().unwrap(), 16)))
+                .collect(),
+        };
+        let served = |names: &[(&str, Option<&str>)]| {
+            Served::Known(
+                names
+                    .iter()
+                    .map(|(id, p)| ServedModel {
+                        id: (*id).into(),
+                        parent: p.map(Into::into),
+                    })
+                    .collect(),
+            )
+        };
+        let members: Vec<Member> = fleet
+            .backends
+            .iter()
+            .zip([
+                served(&[("chat", None), ("sql", Some("chat"))]),
+                served(&[("chat", None), ("small", None)]),
+            ])
+            .map(|(b, served)| Member {
+                slot: b.slot,
+                generation: b.generation,
+                url: &b.url,
+                served,
+            })
+            .collect();
+        let table = ModelTable::build(
+            &members,
+            &Spec::default(),
+            |_| Arc::default(),
+            Arc::default(),
+        );
+        fleet.backends[1].health.set_draining(true);
+        let resp = String::from_utf8(models_answer(&table, &fleet, false, false)).unwrap();
+        let (head, body) = resp.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+        assert!(head.contains(&format!("content-length: {}", body.len())));
+        assert!(!resp.contains("10.0.0"), "{resp}");
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        let ids: Vec<(&str, &serde_json::Value)> = v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| (m["id"].as_str().unwrap(), &m["parent"]))
+            .collect();
+        // `small` is served only by the drained backend.
+        assert_eq!(
+            ids,
+            [
+                ("chat", &serde_json::Value::Null),
+                ("sql", &serde_json::json!("chat"))
+            ]
+        );
+        let head_only = models_answer(&table, &fleet, true, true);
+        let text = String::from_utf8(head_only).unwrap();
+        assert!(text.ends_with("connection: close\r\n\r\n"), "{text}");
+    }
+
+    #[test]
     fn only_the_inference_api_is_served() {
         let status = |raw: &str, extra: &[String]| {
             let (h, fwd) = head(raw);

@@ -227,7 +227,10 @@ struct Entry {
 /// Which backend serves which model, as of the last change. Immutable.
 #[derive(Debug)]
 pub struct ModelTable {
-    ids: HashMap<Box<[u8]>, u32>,
+    /// hashbrown's foldhash: a few nanoseconds for a model name (std's
+    /// SipHash guards against collisions a client could force, but the
+    /// keys here come from the backends and the config only).
+    ids: hashbrown::HashMap<Box<[u8]>, u32>,
     entries: Vec<Entry>,
     /// Backends whose models are unknown.
     unknown: SlotSet,
@@ -302,7 +305,7 @@ impl ModelTable {
         other: Arc<ModelStats>,
     ) -> ModelTable {
         let mut t = ModelTable {
-            ids: HashMap::new(),
+            ids: hashbrown::HashMap::new(),
             entries: Vec::new(),
             unknown: SlotSet::default(),
             generations: vec![0; MAX_BACKENDS].into_boxed_slice(),
@@ -462,6 +465,21 @@ impl ModelTable {
         v
     }
 
+    /// What the backend in `slot` (of `generation`) serves, by name;
+    /// `None` while its models are unknown.
+    pub fn models_of(&self, slot: usize, generation: u64) -> Option<Vec<&str>> {
+        if self.generations.get(slot) != Some(&generation) || self.unknown.contains(slot) {
+            return None;
+        }
+        Some(
+            self.entries
+                .iter()
+                .filter(|e| e.servers.contains(slot))
+                .map(|e| e.name.as_str())
+                .collect(),
+        )
+    }
+
     /// Whether any backend's models are known (listed or pinned).
     pub fn knows_models(&self) -> bool {
         self.entries.iter().any(|e| !e.servers.is_empty())
@@ -495,6 +513,10 @@ pub fn keep_best(loads: &mut [BackendLoad], ranks: &[u8]) {
 pub struct Models {
     table: ArcSwap<ModelTable>,
     inner: Mutex<Inner>,
+    /// Held from reading the fleet to swapping its table in, so two
+    /// rebuilds (a prober's, the supervisor's after a reload) cannot swap
+    /// an older fleet's table over a newer one's.
+    rebuilding: Mutex<()>,
 }
 
 #[derive(Default)]
@@ -519,6 +541,7 @@ impl Models {
                 Arc::default(),
             )),
             inner: Mutex::new(Inner::default()),
+            rebuilding: Mutex::new(()),
         };
         m.rebuild(members, spec);
         m
@@ -531,6 +554,12 @@ impl Models {
 
     pub fn table_full(&self) -> Arc<ModelTable> {
         self.table.load_full()
+    }
+
+    /// Take it before reading the fleet a rebuild is for; hold it until
+    /// [`Self::rebuild`] returned.
+    pub fn rebuilding(&self) -> MutexGuard<'_, ()> {
+        self.rebuilding.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
