@@ -377,3 +377,55 @@ fn missing_and_malformed_model_lists_change_nothing_they_should_not() {
     assert_eq!(send("other"), 200);
     assert_eq!(listed.inferences(), 7);
 }
+
+#[test]
+fn reloads_bring_new_backends_models_and_pins_in() {
+    let chat_engine = SimEngine::spawn(&["--time-scale", "0", "--served-model-name", "chat"]);
+    let small_engine = SimEngine::spawn(&["--time-scale", "0", "--served-model-name", "small"]);
+    let path =
+        std::env::temp_dir().join(format!("router-models-reload-{}.toml", std::process::id()));
+    let write = |backends: &str| {
+        std::fs::write(&path, format!("backends = [{backends}]\n{FAST_PROBES}")).unwrap();
+    };
+    write(&format!("\"{}\"", chat_engine.url()));
+    let r = Router::spawn(&[], &["--config", path.to_str().unwrap()], "");
+    let reload = |backends: &str| {
+        write(backends);
+        let resp = request(r.admin, "POST", "/admin/reload", &[], b"").unwrap();
+        assert_eq!(resp.status, 200, "{}", resp.text());
+    };
+    let send = |model: &str| {
+        post_json(r.addr, "/v1/chat/completions", &chat(Some(model), 0, false))
+            .unwrap()
+            .status
+    };
+    wait_models(&r, &["chat"]);
+    assert_eq!(send("small"), 404);
+
+    // A backend a reload adds: its models once it is probed.
+    reload(&format!(
+        "\"{}\", \"{}\"",
+        chat_engine.url(),
+        small_engine.url()
+    ));
+    wait_models(&r, &["chat", "small"]);
+    assert_eq!(send("small"), 200);
+    assert_eq!(engine_counts(&small_engine).0["small"], 1);
+
+    // A pin in its table wins over what it lists (its /v1/models is no
+    // longer read): `small` is then served by nobody.
+    reload(&format!(
+        "\"{}\", {{ url = \"{}\", models = [\"chat\"] }}",
+        chat_engine.url(),
+        small_engine.url()
+    ));
+    wait_models(&r, &["chat"]);
+    assert_eq!(r.backend(&small_engine.url())["models"], json!(["chat"]));
+    assert_eq!(send("small"), 404);
+    assert_eq!(
+        engine_counts(&small_engine).1,
+        0,
+        "no engine saw a model it lacks"
+    );
+    let _ = std::fs::remove_file(&path);
+}
