@@ -254,7 +254,7 @@ impl Router {
     }
 
     /// Builds the model table again from the fleet, the config and what
-    /// discovery found (after either changed; see `control::models`).
+    /// discovery found (after either changed; see `control::health::models`).
     pub fn sync_models(&self) {
         let _one = self.models.rebuilding();
         let fleet = self.fleet.load();

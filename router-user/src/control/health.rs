@@ -1,9 +1,10 @@
 //! Backend health: active probes with hysteresis (a backend flips only after
 //! `rise` or `fall` results in a row, and the flip is logged once), passive
 //! ejection on failed requests, the engine's KV capacity read from its
-//! `/metrics`, its kind (block cache or slots) from `/props`, and its models from `/v1/models` (`models`). Every backend is probed by a thread of its own, each probe
-//! bounded as a whole by `health.timeout_ms` (see `probe`), so no backend can
-//! delay another's checks.
+//! `/metrics`, its kind (block cache or slots) from `/props`, and its models
+//! from `/v1/models` (`models`). Every backend is probed by a thread of its
+//! own, each probe bounded as a whole by `health.timeout_ms` (see `probe`),
+//! so no backend can delay another's checks.
 
 mod engine_kind;
 mod models;
