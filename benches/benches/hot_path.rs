@@ -1,6 +1,7 @@
 //! Micro-benchmarks of the request path's hot structures: prompt extraction
 //! and block hashing (bytes per second), prefix-index lookup and insert (time
-//! per block), and selection (time per decision at 4 to 256 backends).
+//! per block), selection (time per decision at 4 to 256 backends), and the
+//! model filter before it.
 //!
 //! `cargo bench -p router-benches --bench hot_path`; `cargo xtask bench` runs
 //! it and folds the figures into its results.
@@ -207,12 +208,70 @@ fn selection(c: &mut Criterion) {
     g.finish();
 }
 
+/// The model filter a request pays before selection: its `model` looked
+/// up in the table, each backend ranked, the best rank kept (a fleet of
+/// four models, one backend in four listing a LoRA adapter too).
+fn model_filter(c: &mut Criterion) {
+    use prefix_router::route::models::{Member, ModelTable, Served, ServedModel, Spec, keep_best};
+    let mut g = c.benchmark_group("model_filter");
+    g.throughput(Throughput::Elements(1));
+    let urls: Vec<String> = (0..MAX_BACKENDS)
+        .map(|i| format!("http://10.0.0.{i}:8000"))
+        .collect();
+    for n in [4usize, 16, MAX_BACKENDS] {
+        let members: Vec<Member> = (0..n)
+            .map(|i| {
+                let mut served = vec![ServedModel {
+                    id: format!("model-{}", i % 4),
+                    parent: None,
+                }];
+                if i % 4 == 0 {
+                    served.push(ServedModel {
+                        id: "model-0-sql".into(),
+                        parent: Some("model-0".into()),
+                    });
+                }
+                Member {
+                    slot: i,
+                    generation: i as u64 + 1,
+                    url: &urls[i],
+                    served: Served::Known(served),
+                }
+            })
+            .collect();
+        let table = ModelTable::build(
+            &members,
+            &Spec::default(),
+            |_| Default::default(),
+            Default::default(),
+        );
+        let mut loads = vec![BackendLoad::default(); n];
+        let mut ranks = Vec::with_capacity(n);
+        g.bench_function(BenchmarkId::new("resolve_rank_keep", n), |b| {
+            b.iter(|| {
+                let want = table
+                    .resolve(black_box(b"model-0"), black_box(b"model-0-sql"))
+                    .expect("served");
+                ranks.clear();
+                for (m, l) in members.iter().zip(loads.iter_mut()) {
+                    ranks.push(want.rank(&table, m.slot, m.generation));
+                    l.eligible = true;
+                }
+                keep_best(&mut loads, &ranks);
+                black_box(&loads);
+            })
+        });
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
     extraction,
     scan_and_hash,
     hashing,
     index,
-    selection
+    selection,
+    model_filter
 );
 criterion_main!(benches);

@@ -9,6 +9,7 @@ use anyhow::{Context, bail};
 use serde::Deserialize;
 
 pub mod ebpf;
+pub mod models;
 pub mod precise;
 
 use crate::http::url::HttpUrl;
@@ -41,6 +42,10 @@ pub struct Config {
     pub precise: precise::PreciseConfig,
     /// The XDP connection counters (`[ebpf]`).
     pub ebpf: ebpf::EbpfConfig,
+    /// Model discovery and requests without a model (`[models]`).
+    pub models: models::ModelsConfig,
+    /// Optional pools: models, their backends, their policy (`[[pools]]`).
+    pub pools: Vec<models::PoolConfig>,
     /// Add `x-prefix-router-backend` and `x-prefix-router-matched-blocks` to
     /// responses, keep the engine's identity headers (`server`,
     /// `x-engine-id`), and put the internal detail (backend URL, OS error)
@@ -65,6 +70,8 @@ impl Default for Config {
             log: Log::default(),
             precise: Default::default(),
             ebpf: ebpf::EbpfConfig::default(),
+            models: models::ModelsConfig::default(),
+            pools: Vec::new(),
             debug_headers: false,
         }
     }
@@ -91,6 +98,10 @@ pub enum BackendConfig {
         /// Slot engines: its slot count; overrides what `/props` says.
         #[serde(default)]
         slots: Option<usize>,
+        /// The models (and adapters) it serves; given, its `/v1/models` is
+        /// not read.
+        #[serde(default)]
+        models: Option<Vec<String>>,
     },
 }
 
@@ -117,6 +128,14 @@ impl BackendConfig {
                 kv_events_replay,
                 ..
             } => (kv_events.as_deref(), kv_events_replay.as_deref()),
+        }
+    }
+
+    /// The models its table pins, if any.
+    pub fn models(&self) -> Option<&[String]> {
+        match self {
+            BackendConfig::Url(_) => None,
+            BackendConfig::Table { models, .. } => models.as_deref(),
         }
     }
 
@@ -478,7 +497,19 @@ impl Config {
         if self.retry.max_attempts == 0 {
             bail!("retry.max_attempts must be at least 1");
         }
-        Ok(())
+        let urls: Vec<&str> = self.backends.iter().map(BackendConfig::url).collect();
+        models::validate(&self.models, &self.pools, &urls)
+    }
+
+    /// The routing core's view of `[models]`, `[[pools]]` and the backends'
+    /// `models` pins.
+    pub fn model_spec(&self) -> crate::route::models::Spec {
+        let pinned = self
+            .backends
+            .iter()
+            .filter_map(|b| Some((b.url().to_owned(), b.models()?.to_vec())))
+            .collect();
+        models::spec(&self.models, &self.pools, pinned)
     }
 
     pub fn worker_count(&self) -> usize {

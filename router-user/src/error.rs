@@ -23,6 +23,10 @@ pub enum Kind {
     InvalidBody,
     /// The path is not on the traffic port's allowlist (404).
     NotFound,
+    /// No backend serves the request's `model` (404, OpenAI's `model_not_found`).
+    ModelNotFound,
+    /// The request names no `model` and the config wants one (400).
+    ModelRequired,
     /// The path is, but not with this method (405).
     MethodNotAllowed,
     /// The request body is over `limits.max_body_bytes` (413).
@@ -46,8 +50,8 @@ pub enum Kind {
 impl Kind {
     pub fn status(self) -> u16 {
         match self {
-            Kind::BadRequest | Kind::InvalidBody => 400,
-            Kind::NotFound => 404,
+            Kind::BadRequest | Kind::InvalidBody | Kind::ModelRequired => 400,
+            Kind::NotFound | Kind::ModelNotFound => 404,
             Kind::MethodNotAllowed => 405,
             Kind::ClientTimeout => 408,
             Kind::BodyTooLarge => 413,
@@ -65,6 +69,8 @@ impl Kind {
             Kind::BadRequest
             | Kind::InvalidBody
             | Kind::NotFound
+            | Kind::ModelNotFound
+            | Kind::ModelRequired
             | Kind::MethodNotAllowed
             | Kind::BodyTooLarge
             | Kind::HeadersTooLarge
@@ -81,6 +87,16 @@ impl Kind {
             Side::Client => "invalid_request_error",
             Side::Backend => "upstream_error",
             Side::Internal => "internal_error",
+        }
+    }
+
+    /// OpenAI's `error.param` and `error.code` for this kind (the status
+    /// when OpenAI has no code for it).
+    fn openai_param_code(self) -> (Option<&'static str>, serde_json::Value) {
+        match self {
+            Kind::ModelNotFound => (Some("model"), "model_not_found".into()),
+            Kind::ModelRequired => (Some("model"), "model_required".into()),
+            k => (None, k.status().into()),
         }
     }
 }
@@ -161,12 +177,13 @@ impl RouterError {
             Some(d) if debug => format!("{}: {d}", self.message),
             _ => self.message.clone(),
         };
+        let (param, code) = self.kind.openai_param_code();
         let body = serde_json::json!({
             "error": {
                 "message": message,
                 "type": self.kind.openai_type(),
-                "param": null,
-                "code": self.status(),
+                "param": param,
+                "code": code,
             }
         })
         .to_string();

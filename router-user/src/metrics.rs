@@ -27,6 +27,7 @@ use crate::precise::Precise;
 use crate::precise::metrics::PreciseCollector;
 use crate::route::backend::{Backend, Fleet, StatusClass};
 use crate::route::index::PrefixIndex;
+use crate::route::models::{Models, TTFT_BUCKETS};
 use crate::route::select::Decision;
 
 /// Label values are the enums' own names.
@@ -112,6 +113,11 @@ struct ResultLabels {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ModelLabels {
+    model: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct CounterLabels {
     backend: String,
     counter: &'static str,
@@ -158,6 +164,8 @@ pub struct Sources {
     pub index: Arc<PrefixIndex>,
     /// Precise mode, when on: its streams and tokenizer.
     pub precise: Option<Arc<Precise>>,
+    /// Per-model counters (`route::models`), labelled by model name.
+    pub models: Arc<Models>,
 }
 
 impl Metrics {
@@ -504,6 +512,7 @@ impl Collector for FleetCollector {
             fleet,
             index,
             precise: _,
+            models,
         } = &self.0;
         let policy = config.load().policy.name();
         let fleet = fleet.load();
@@ -525,6 +534,7 @@ impl Collector for FleetCollector {
                 })?;
             }
         }
+        encode_models(models, &mut encoder)?;
         for (name, help, kind, v) in [
             (
                 "index_evictions",
@@ -548,4 +558,56 @@ impl Collector for FleetCollector {
         }
         Ok(())
     }
+}
+
+/// The per-model families: requests, prompt and cached tokens of the
+/// answers that reported usage (their ratio is the model's hit rate), and
+/// the time to first token of streamed answers. One label per model a
+/// backend serves or the config names, at most `MAX_MODEL_LABELS`; the
+/// rest under `(other)`.
+fn encode_models(models: &Models, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+    let stats = models.stats();
+    let label = |name: &str| ModelLabels {
+        model: name.to_owned(),
+    };
+    type Read = fn(&crate::route::models::ModelStats) -> u64;
+    let counters: [(&str, &str, Read); 3] = [
+        (
+            "model_requests",
+            "Requests routed, by the model they name ((other): no model, or a model no backend lists)",
+            |s| s.requests(),
+        ),
+        (
+            "model_prompt_tokens",
+            "Prompt tokens of the answers that reported usage, by model",
+            |s| s.tokens().0,
+        ),
+        (
+            "model_cached_tokens",
+            "Of those, tokens the engine had cached (cached / prompt is the model's hit rate)",
+            |s| s.tokens().1,
+        ),
+    ];
+    for (name, help, read) in counters {
+        let help = format!("{help}.");
+        let mut family = encoder.encode_descriptor(name, &help, None, MetricType::Counter)?;
+        for (model, s) in &stats {
+            ConstCounter::new(read(s)).encode(family.encode_family(&label(model))?)?;
+        }
+    }
+    let mut family = encoder.encode_descriptor(
+        "model_ttft_seconds",
+        "Time from sending a streamed request to its first token, by model.",
+        None,
+        MetricType::Histogram,
+    )?;
+    for (model, s) in &stats {
+        let (counts, count, sum) = s.ttft_histogram();
+        let mut buckets: Vec<(f64, u64)> = TTFT_BUCKETS.iter().copied().zip(counts).collect();
+        buckets.push((f64::INFINITY, count - counts.iter().sum::<u64>().min(count)));
+        family
+            .encode_family(&label(model))?
+            .encode_histogram::<ModelLabels>(sum, count, &buckets, None)?;
+    }
+    Ok(())
 }

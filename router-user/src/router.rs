@@ -20,6 +20,7 @@ use crate::route::extract::Endpoint;
 use crate::route::feedback::{Correction, Usage};
 use crate::route::hash::{block_hashes_pieces, cold_key};
 use crate::route::index::{Matches, PrefixIndex};
+use crate::route::models::{self, Member, ModelStats, Models, Served};
 use crate::route::scan::{Canonical, scan};
 use crate::route::select::{self, BackendLoad, Choice, Policy, RouteInput};
 
@@ -27,6 +28,8 @@ pub struct Router {
     pub config: Arc<ArcSwap<Config>>,
     pub fleet: Arc<ArcSwap<Fleet>>,
     pub index: Arc<PrefixIndex>,
+    /// Which backend serves which model (`route::models`).
+    pub models: Arc<Models>,
     pub metrics: Metrics,
     /// Round-robin counter and random stream.
     ticket: AtomicU64,
@@ -91,6 +94,8 @@ pub struct RouteScratch {
     canonical: Vec<u8>,
     loads: Vec<BackendLoad>,
     matches: Vec<u32>,
+    /// Each backend's rank for the request's model (`models::Want::rank`).
+    ranks: Vec<u8>,
     /// The last routed request's cold key (for [`Router::scores`]).
     cold_key: u64,
     /// Precise mode: the request's engine tokens and their rendered text,
@@ -133,12 +138,17 @@ pub struct PromptBlocks {
     pub slot: Option<usize>,
     /// Precise mode: the keys of the prompt's engine blocks.
     pub keys: Vec<u64>,
+    /// The request was routed by the `prefix` policy (its pool's or the
+    /// router's): what was sent is learned, answers close the loop.
+    pub prefix: bool,
 }
 
 /// What routing decided for one request.
 pub struct Routed {
     pub choice: Choice,
     pub fleet: Arc<Fleet>,
+    /// The counters of the request's model.
+    pub model: Arc<ModelStats>,
 }
 
 /// What one request gives routing.
@@ -172,6 +182,11 @@ impl Router {
             index.set_capacity(slot, kv);
         }
         let index = Arc::new(index);
+        let members: Vec<Member> = backends
+            .iter()
+            .map(|b| member(b, Served::Unknown))
+            .collect();
+        let models = Arc::new(Models::new(&members, &config.model_spec()));
         let precise = config.precise.enabled.then(|| {
             Arc::new(Precise::new(
                 total,
@@ -187,8 +202,10 @@ impl Router {
             fleet: fleet.clone(),
             index: index.clone(),
             precise: precise.clone(),
+            models: models.clone(),
         });
         let router = Arc::new(Router {
+            models,
             precise,
             subscribers: std::sync::Mutex::new(Vec::new()),
             config,
@@ -237,8 +254,23 @@ impl Router {
         }
     }
 
+    /// Builds the model table again from the fleet, the config and what
+    /// discovery found (after either changed; see `control::health::models`).
+    pub fn sync_models(&self) {
+        let _one = self.models.rebuilding();
+        let fleet = self.fleet.load();
+        let members: Vec<Member> = fleet
+            .backends
+            .iter()
+            .map(|b| member(b, Served::Unknown))
+            .collect();
+        self.models
+            .rebuild(&members, &self.config.load().model_spec());
+    }
+
     /// Routes one request: extracts its prompt (400 when the body is not
-    /// what its endpoint takes), hashes it into `blocks`, ranks backends.
+    /// what its endpoint takes), hashes it into `blocks`, ranks backends
+    /// among those that serve its model (404 when none may).
     pub fn route(
         &self,
         query: &RouteQuery,
@@ -257,8 +289,15 @@ impl Router {
             }
         };
         let session = query.session.or(user);
+        let table = self.models.table();
+        let want = if query.endpoint.is_some() {
+            table.resolve(scratch.canon.model(), scratch.canon.adapter())?
+        } else {
+            table.unfiltered()
+        };
         let PromptBlocks { hashes, found, .. } = blocks;
         let cfg = self.config.load();
+        let policy = want.policy().unwrap_or(cfg.policy);
         let fleet = self.fleet.load_full();
         hashes.clear();
         if has_prompt {
@@ -274,13 +313,13 @@ impl Router {
             }
         }
         let mut matches: Matches = [0; MAX_BACKENDS];
-        if cfg.policy == Policy::Prefix && !hashes.is_empty() {
+        if policy == Policy::Prefix && !hashes.is_empty() {
             self.index
                 .longest_matches_noting(hashes, fleet.slot_mask(), &mut matches, found);
         }
         scratch.precise_mask = 0;
         blocks.keys.clear();
-        if let (Some(_), Some(ep), Policy::Prefix) = (&self.precise, query.endpoint, cfg.policy) {
+        if let (Some(_), Some(ep), Policy::Prefix) = (&self.precise, query.endpoint, policy) {
             self.precise_matches(
                 ep,
                 &fleet,
@@ -292,6 +331,7 @@ impl Router {
         }
         scratch.loads.clear();
         scratch.matches.clear();
+        scratch.ranks.clear();
         let ticket = self.ticket.fetch_add(1, Relaxed);
         let fleet_slots = fleet_slots(&fleet);
         for b in &fleet.backends {
@@ -306,7 +346,8 @@ impl Router {
                 load.cached_blocks = u32::try_from(p.index.held_blocks(b.slot)).unwrap_or(u32::MAX);
             }
             let mut m = matches[b.slot];
-            if b.slots.is_slot_engine() && cfg.policy == Policy::Prefix {
+            scratch.ranks.push(want.rank(&table, b.slot, b.generation));
+            if b.slots.is_slot_engine() && policy == Policy::Prefix {
                 // A slot engine: what the slot it would take holds.
                 let p = b.slots.predict(hashes, ticket, load.in_flight, fleet_slots);
                 m = p.cached_blocks;
@@ -322,6 +363,7 @@ impl Router {
             scratch.loads.push(load);
             scratch.matches.push(m);
         }
+        models::keep_best(&mut scratch.loads, &scratch.ranks);
         same_hardware_same_rate(&mut scratch.loads);
         // Without a full block, the carry is the whole canonical prompt.
         scratch.cold_key = cold_key(seed, &scratch.carry, hashes, cfg.prefix.cold_key_blocks);
@@ -332,14 +374,20 @@ impl Router {
             session_key: session,
             ticket,
         };
+        blocks.prefix = policy == Policy::Prefix;
         let policy = if has_prompt {
-            cfg.policy
+            policy
         } else {
             Policy::LeastRequest
         };
         // Candidates are positions in `fleet.backends`.
         let choice = select::select(policy, &input, &scratch.loads, &cfg.prefix.params());
-        Ok(Routed { choice, fleet })
+        let model = want.stats().clone();
+        Ok(Routed {
+            choice,
+            fleet,
+            model,
+        })
     }
 
     /// Precise mode: replaces, for every EXACT backend, its approximate
@@ -465,7 +513,7 @@ impl Router {
         {
             p.guard(backend.slot, &blocks.keys, p.now_ms());
         }
-        if blocks.hashes.is_empty() || self.config.load().policy != Policy::Prefix {
+        if blocks.hashes.is_empty() || !blocks.prefix {
             return;
         }
         if backend.slots.is_slot_engine() {
@@ -490,6 +538,16 @@ impl Router {
             matched,
             &mut blocks.ages,
         );
+    }
+}
+
+/// A backend as the model table is built for it.
+fn member(b: &Backend, served: Served) -> Member<'_> {
+    Member {
+        slot: b.slot,
+        generation: b.generation,
+        url: &b.url,
+        served,
     }
 }
 
@@ -540,7 +598,7 @@ impl Router {
         usage: Usage,
     ) {
         let cfg = self.config.load();
-        if blocks.hashes.is_empty() || cfg.policy != Policy::Prefix {
+        if blocks.hashes.is_empty() || !blocks.prefix {
             return;
         }
         // Slot engines are modelled by their slots, not the block index.

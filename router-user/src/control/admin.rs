@@ -112,6 +112,7 @@ fn handle(router: &Router, req: &Request, reload: &Reloader) -> Reply {
 fn backends_json(router: &Router) -> serde_json::Value {
     let fleet = router.fleet.load();
     let total = router.index.total_tracked().max(1) as f64;
+    let models = router.models.table();
     let list: Vec<_> = fleet
         .backends
         .iter()
@@ -132,6 +133,8 @@ fn backends_json(router: &Router) -> serde_json::Value {
                 "index_share": blocks as f64 / total,
                 "kv_blocks": router.index.capacity(b.slot),
                 "engine": if b.slots.is_slot_engine() { "slots" } else { "blocks" },
+                // What it serves, listed or pinned; null while unknown.
+                "models": models.models_of(b.slot, b.generation),
                 "slots": b.slots.count(),
                 "learned_capacity_blocks": b.feedback.capacity(),
                 "capacity_known": b.feedback.capacity_known(),

@@ -1,11 +1,13 @@
 //! Backend health: active probes with hysteresis (a backend flips only after
 //! `rise` or `fall` results in a row, and the flip is logged once), passive
 //! ejection on failed requests, the engine's KV capacity read from its
-//! `/metrics`, and its kind (block cache or slots) from `/props`. Every backend is probed by a thread of its own, each probe
-//! bounded as a whole by `health.timeout_ms` (see `probe`), so no backend can
-//! delay another's checks.
+//! `/metrics`, its kind (block cache or slots) from `/props`, and its models
+//! from `/v1/models` (`models`). Every backend is probed by a thread of its
+//! own, each probe bounded as a whole by `health.timeout_ms` (see `probe`),
+//! so no backend can delay another's checks.
 
 mod engine_kind;
+mod models;
 mod probe;
 
 use std::sync::Arc;
@@ -33,7 +35,9 @@ pub fn spawn_checker(router: Arc<Router>) -> std::thread::JoinHandle<()> {
         .name("health".into())
         .spawn(move || {
             let mut probers: Vec<(Arc<Backend>, std::thread::JoinHandle<()>)> = Vec::new();
+            let mut models_seen = models::Seen::default();
             loop {
+                models::sync(&router, &mut models_seen);
                 probers.retain(|(_, h)| !h.is_finished());
                 let fleet = router.fleet.load_full();
                 for b in &fleet.backends {
@@ -116,6 +120,7 @@ fn apply(router: &Router, b: &Backend, result: Result<(), String>) {
             if b.slots.first_detection() {
                 engine_kind::detect(router, b, ms(h.timeout_ms));
             }
+            models::refresh(router, b, ms(h.timeout_ms));
         }
         (Err(why), flip) => {
             debug!(backend = %b.url, path = %h.path, error = %why, "health probe failed");

@@ -12,7 +12,9 @@ use crate::error::{Kind, Resend, RouterError};
 use crate::proxy::api;
 use crate::proxy::client::{Body, ClientConn, Request};
 use crate::proxy::forward::{self, Attempt, Failure};
+use crate::proxy::io::write_all;
 use crate::proxy::worker::Worker;
+use crate::route::models::ModelStats;
 use crate::router::{RouteQuery, Routed};
 
 /// How often a request queued for room under `limits.max_in_flight_per_backend`
@@ -31,6 +33,21 @@ pub async fn handle(
 ) -> Result<bool, RouterError> {
     let router = &worker.router;
     api::check_route(req.head, &c.fwd, &cfg.routes.extra_allowed)?;
+    // Until some backend's models are known (discovery off, engines that
+    // do not list them, or before the first answer) `/v1/models` is
+    // forwarded to a backend, as any request.
+    if api::answers_itself(req.head, &c.fwd) && router.models.table().knows_models() {
+        let head_only = req.head.method(&c.fwd) == "HEAD";
+        let close = !req.head.keep_alive;
+        let mut resp = api::models_answer(
+            &router.models.table(),
+            &router.fleet.load(),
+            head_only,
+            close,
+        );
+        let sent = write_all(&mut c.stream, &mut resp, ms(cfg.timeouts.client_write_ms)).await;
+        return Ok(close || sent.is_err());
+    }
     let deadline = Instant::now() + ms(cfg.timeouts.queue_ms);
     let mut head_finished = false;
     // Sends so far, the reason for the next one, and whether the first paid
@@ -71,6 +88,7 @@ pub async fn handle(
             routed.choice.matched_blocks,
             routing,
         );
+        routed.model.requested();
         if routed.choice.len == 0 {
             return Err(if queued {
                 at_limit(cfg)
@@ -118,7 +136,7 @@ pub async fn handle(
                 decision: routed.choice.decision,
                 fresh_only,
             };
-            let sent = attempt(worker, cfg, c, req, &at).await;
+            let sent = attempt(worker, cfg, c, req, &at, &routed.model).await;
             if !matches!(sent, Err(Failure::Full))
                 && let Some(reason) = resend.take()
             {
@@ -168,6 +186,7 @@ async fn attempt(
     c: &mut ClientConn,
     req: Request<'_>,
     at: &Attempt<'_>,
+    model: &ModelStats,
 ) -> Result<bool, Failure> {
     let router = &worker.router;
     let backend = at.backend;
@@ -204,6 +223,12 @@ async fn attempt(
     if (200..300).contains(&answer.status) {
         if let Some(u) = answer.usage {
             router.observe_answer(backend, &c.blocks, at.matched_blocks, u);
+            model.usage(u.prompt_tokens, u.cached_tokens);
+        }
+        if answer.streaming
+            && let Some(t) = answer.first_body_at
+        {
+            model.ttft((t - sent_at).as_secs_f64());
         }
         // Only a request that found no prefill queued ahead says how fast
         // the engine prefills; behind a queue it measures the queue.

@@ -13,6 +13,7 @@ pub mod extract;
 pub(crate) mod feedback;
 pub mod hash;
 pub mod index;
+pub mod models;
 pub mod scan;
 pub mod select;
 pub mod slots;

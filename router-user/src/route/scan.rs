@@ -36,8 +36,11 @@ pub struct Canonical {
     token_ids: bool,
     /// The body's `cache_salt` (empty: none).
     salt: Vec<u8>,
-    /// The body's `model` (empty: none), for precise mode's tokenizer.
+    /// The body's `model` (empty: none), for precise mode's tokenizer and
+    /// the model filter.
     model: Vec<u8>,
+    /// The body's `lora_path` (empty: none), for the model filter.
+    adapter: Vec<u8>,
 }
 
 impl Canonical {
@@ -58,6 +61,7 @@ impl Canonical {
         self.token_ids = false;
         self.salt.clear();
         self.model.clear();
+        self.adapter.clear();
     }
 
     /// Whether the prompt was given as token ids (precise mode tokenizes
@@ -74,6 +78,11 @@ impl Canonical {
     /// The body's `model` (empty: none).
     pub fn model(&self) -> &[u8] {
         &self.model
+    }
+
+    /// The body's `lora_path` (empty: none).
+    pub fn adapter(&self) -> &[u8] {
+        &self.adapter
     }
 
     fn body(&mut self, start: usize, end: usize) {
@@ -146,6 +155,7 @@ pub fn scan(endpoint: Endpoint, body: &[u8], canon: &mut Canonical) -> Result<Pr
     let seed = namespace_seed(&[model, adapter, salt]);
     canon.salt.extend_from_slice(salt);
     canon.model.extend_from_slice(model);
+    canon.adapter.extend_from_slice(adapter);
     let user = field(fields.user).map(xxh3_64);
     match endpoint {
         Endpoint::Chat if !fields.saw_prompt => Err(RouterError::new(

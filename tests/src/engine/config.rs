@@ -29,6 +29,12 @@ pub struct EngineArgs {
         default_value = "sim-llama-8b"
     )]
     pub models: Vec<String>,
+    /// LoRA adapters, as vLLM's `--lora-modules name=path ...`: each is
+    /// served under its name (`"model": "name"`), with a prefix cache of its
+    /// own, and listed in `/v1/models` with `parent` set to the first
+    /// served model name (vLLM's default base).
+    #[arg(long, num_args = 1.., value_name = "NAME=PATH")]
+    pub lora_modules: Vec<String>,
     /// KV-cache capacity in 16-token blocks (6400 blocks = 102,400 tokens,
     /// about what an 8B model leaves free on an 80 GB GPU).
     #[arg(long, default_value_t = 6400)]
@@ -120,6 +126,25 @@ pub struct EngineArgs {
 }
 
 impl EngineArgs {
+    /// Every name a request may give in `model`: the served model names,
+    /// then the LoRA adapters' names.
+    pub fn served_names(&self) -> Vec<String> {
+        let mut names = self.models.clone();
+        names.extend(self.lora_adapters().into_iter().map(|(n, _)| n));
+        names
+    }
+
+    /// The LoRA adapters as `(name, path)`; an item without `=` is its own path.
+    pub fn lora_adapters(&self) -> Vec<(String, String)> {
+        self.lora_modules
+            .iter()
+            .map(|m| match m.split_once('=') {
+                Some((n, p)) => (n.to_owned(), p.to_owned()),
+                None => (m.clone(), m.clone()),
+            })
+            .collect()
+    }
+
     /// True when no simulated time passes: requests are answered at once.
     pub fn zero_cost(&self) -> bool {
         self.time_scale == 0.0

@@ -34,8 +34,16 @@ struct Server {
     wake: Arc<Notify>,
     args: EngineArgs,
     engine_id: String,
+    /// Every name a request may give (served models, then LoRA adapters).
+    names: Vec<String>,
     /// Model names as JSON strings.
     model_json: Vec<String>,
+    /// Inference requests accepted per name in `names`, and those naming a
+    /// model it does not serve (404): `sim:model_requests_total` and
+    /// `sim:unknown_model_requests_total` on `/metrics`, so a test can
+    /// prove where a router sent each model.
+    model_requests: Vec<AtomicU64>,
+    unknown_model_requests: AtomicU64,
     model_seeds: Vec<u64>,
     zero_cost: bool,
     next_id: AtomicU64,
@@ -80,22 +88,25 @@ pub async fn serve(args: EngineArgs) -> anyhow::Result<()> {
             args.time_scale,
         ));
     }
+    let names = args.served_names();
     let srv = Arc::new(Server {
         engine,
         wake,
         engine_id: args.id.clone().unwrap_or_else(|| addr.to_string()),
-        model_json: args
-            .models
+        model_json: names
             .iter()
             .map(|m| serde_json::to_string(m).unwrap_or_default())
             .collect(),
-        model_seeds: args.models.iter().map(|m| chain_seed(m)).collect(),
+        model_seeds: names.iter().map(|m| chain_seed(m)).collect(),
+        model_requests: names.iter().map(|_| AtomicU64::new(0)).collect(),
+        unknown_model_requests: AtomicU64::new(0),
+        names,
         zero_cost,
         next_id: AtomicU64::new(0),
         kv_events: publishing,
         args,
     });
-    tracing::info!(%addr, id = %srv.engine_id, zero_cost, models = ?srv.args.models, "sim-engine ready");
+    tracing::info!(%addr, id = %srv.engine_id, zero_cost, models = ?srv.names, "sim-engine ready");
     println!("listening on {addr}");
     let _ = std::io::stdout().flush();
     loop {
@@ -191,7 +202,7 @@ impl Server {
                     .await;
             }
             ("POST", "/tokenize") => {
-                let (status, body) = match api::parse_tokenize(&req.body, &self.args.models) {
+                let (status, body) = match api::parse_tokenize(&req.body, &self.names) {
                     Ok((_, tokens)) => {
                         (200, api::tokenize_body(&tokens, self.args.max_model_len()))
                     }
@@ -218,7 +229,9 @@ impl Server {
                     if self.args.hide_capacity {
                         g.num_blocks = None;
                     }
-                    e.metrics.render(&self.args.models[0], &g)
+                    let mut text = e.metrics.render(&self.args.models[0], &g);
+                    self.render_model_requests(&mut text);
+                    text
                 };
                 http1::write_full(
                     s,
@@ -301,7 +314,7 @@ impl Server {
     /// the inference endpoint would tokenize the same body, without running
     /// it (no engine state is touched). `(status, body)`.
     fn render(&self, kind: ApiKind, body: &[u8]) -> (u16, Vec<u8>) {
-        match api::parse(kind, body, &self.args.models, self.args.default_max_tokens) {
+        match api::parse(kind, body, &self.names, self.args.default_max_tokens) {
             Ok(job) => {
                 let id = self.next_id.fetch_add(1, Ordering::Relaxed);
                 (200, api::render_body(&job, id, &self.model_json[job.model]))
@@ -310,9 +323,12 @@ impl Server {
         }
     }
 
+    /// vLLM's `/v1/models`: each served model name (`parent: null`), then
+    /// each LoRA adapter (`root`: its path, `parent`: the base model).
     fn models_body(&self) -> Vec<u8> {
         let created = unix_now();
-        let data: Vec<_> = self
+        let base = &self.args.models[0];
+        let mut data: Vec<_> = self
             .args
             .models
             .iter()
@@ -321,7 +337,30 @@ impl Server {
                     "root": m, "parent": null, "max_model_len": self.args.max_model_len()})
             })
             .collect();
+        data.extend(self.args.lora_adapters().into_iter().map(|(name, path)| {
+            serde_json::json!({"id": name, "object": "model", "created": created, "owned_by": "vllm",
+                "root": path, "parent": base, "max_model_len": null})
+        }));
         serde_json::to_vec(&serde_json::json!({"object": "list", "data": data})).unwrap_or_default()
+    }
+
+    /// Appends the per-model request counters to a `/metrics` page.
+    fn render_model_requests(&self, out: &mut String) {
+        use std::fmt::Write as _;
+        let _ = writeln!(out, "# TYPE sim:model_requests_total counter");
+        for (name, n) in self.names.iter().zip(&self.model_requests) {
+            let name = name.replace('\\', "\\\\").replace('"', "\\\"");
+            let _ = writeln!(
+                out,
+                "sim:model_requests_total{{model=\"{name}\"}} {}",
+                n.load(Ordering::Relaxed)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# TYPE sim:unknown_model_requests_total counter\nsim:unknown_model_requests_total {}",
+            self.unknown_model_requests.load(Ordering::Relaxed)
+        );
     }
 
     async fn error(
@@ -355,10 +394,16 @@ impl Server {
         ka: bool,
     ) -> Result<bool, Dropped> {
         let arrival = Instant::now();
-        let job = match api::parse(kind, body, &self.args.models, self.args.default_max_tokens) {
+        let job = match api::parse(kind, body, &self.names, self.args.default_max_tokens) {
             Ok(j) => j,
-            Err(e) => return self.error(s, out, e, ka).await,
+            Err(e) => {
+                if e.status == 404 {
+                    self.unknown_model_requests.fetch_add(1, Ordering::Relaxed);
+                }
+                return self.error(s, out, e, ka).await;
+            }
         };
+        self.model_requests[job.model].fetch_add(1, Ordering::Relaxed);
         let (fail, drop_mid, stall) = {
             let mut e = self.engine.lock().expect("engine lock");
             let (f, d) = (e.faults.fail_rate, e.faults.drop_mid_stream_rate);

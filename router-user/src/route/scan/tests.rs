@@ -287,3 +287,36 @@ fn messages_and_bodies_must_be_objects() {
         assert_eq!(scanned(Endpoint::Chat, body).map(|_| ()), Err(400));
     }
 }
+
+#[test]
+fn each_adapter_keys_its_own_prefix_chain() {
+    // An adapter's KV cache is not its base model's: an adapter named in
+    // `model` (vLLM) or in `lora_path` (SGLang) seeds a chain of its own,
+    // and the same prompt for the same adapter always hashes alike.
+    let seed = |fields: Value| {
+        let mut body = json!({"messages": [{"role": "user", "content": "the same prompt"}]});
+        for (k, v) in fields.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let body = serde_json::to_vec(&body).unwrap();
+        let mut c = Canonical::default();
+        let p = scan(Endpoint::Chat, &body, &mut c).unwrap();
+        (p.seed, c.model().to_vec(), c.adapter().to_vec())
+    };
+    let base = seed(json!({"model": "llama"}));
+    let in_model = seed(json!({"model": "sql-lora"}));
+    let other_in_model = seed(json!({"model": "chat-lora"}));
+    let in_path = seed(json!({"model": "llama", "lora_path": "sql-lora"}));
+    assert_eq!(base, seed(json!({"model": "llama"})));
+    let seeds = [base.0, in_model.0, other_in_model.0, in_path.0];
+    for (i, a) in seeds.iter().enumerate() {
+        for b in &seeds[i + 1..] {
+            assert_ne!(a, b, "adapters share no chain with each other or the base");
+        }
+    }
+    assert_eq!(in_model.1, b"sql-lora");
+    assert_eq!(
+        (in_path.1.as_slice(), in_path.2.as_slice()),
+        (&b"llama"[..], &b"sql-lora"[..])
+    );
+}
