@@ -159,7 +159,10 @@ impl Router {
             .backends
             .iter()
             .map(|b| b.kv_blocks().unwrap_or(config.prefix.kv_blocks))
-            .sum();
+            .sum::<usize>()
+            + config
+                .discovery
+                .index_reserve_blocks(config.prefix.kv_blocks);
         let index = PrefixIndex::new(total);
         let mut backends = Vec::new();
         for (slot, b) in config.backends.iter().enumerate() {
