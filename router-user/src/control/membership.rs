@@ -155,3 +155,66 @@ pub fn set_backends(router: &Router, cfg: &Config, wanted: &[BackendConfig]) -> 
     }
     Fleet { backends }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(backends: &[&str]) -> Config {
+        let mut text = format!("backends = {backends:?}\n");
+        text.push_str("[[discovery.file]]\npath = \"/nonexistent/backends.txt\"\n");
+        toml::from_str(&text).unwrap()
+    }
+
+    fn urls(router: &Router) -> Vec<String> {
+        let fleet = router.fleet.load();
+        fleet.backends.iter().map(|b| b.url.clone()).collect()
+    }
+
+    #[test]
+    fn sources_join_the_static_list_and_new_backends_wait_for_a_probe() {
+        let (a, b, c) = (
+            "http://127.0.0.1:9001",
+            "http://127.0.0.1:9002",
+            "http://127.0.0.1:9003",
+        );
+        let router = Router::new(config(&[a])).unwrap();
+        let m = Membership::default();
+        let src = "file:/nonexistent/backends.txt";
+        m.set_source(&router, src, vec![a.into(), b.into()]);
+        assert_eq!(urls(&router), [a, b], "a URL in both is one backend");
+        let fleet = router.fleet.load_full();
+        let (old, new) = (&fleet.backends[0], &fleet.backends[1]);
+        assert!(old.health.is_up() && !old.health.is_unproven());
+        assert!(!new.health.is_up() && new.health.is_unproven());
+        assert!(!new.has_room(0), "no traffic before a probe passed");
+        // One passed probe is enough for a new backend, whatever `rise`.
+        assert_eq!(
+            new.health.observe_probe(true, 5, 2),
+            Some(crate::route::backend::Flip::Up)
+        );
+        assert!(new.has_room(0) && !new.health.is_unproven());
+
+        // A source the running config does not name changes nothing.
+        m.set_source(&router, "file:/elsewhere", vec![c.into()]);
+        assert_eq!(urls(&router), [a, b]);
+
+        // The source no longer lists `a`: the static list still does.
+        m.set_source(&router, src, vec![b.into()]);
+        assert_eq!(urls(&router), [a, b]);
+        // A reload without `a` keeps what the source found; `a` is drained.
+        m.apply_config(&router, config(&[c]));
+        assert_eq!(urls(&router), [b, c]);
+        assert!(old.health.is_removed());
+        assert!(
+            Arc::ptr_eq(&router.fleet.load().backends[0], new),
+            "b keeps its state"
+        );
+        // A reload that drops the source drops its backends.
+        let mut plain = config(&[c]);
+        plain.discovery.file.clear();
+        m.apply_config(&router, plain);
+        assert_eq!(urls(&router), [c]);
+        assert!(new.health.is_removed());
+    }
+}
