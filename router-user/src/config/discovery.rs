@@ -227,6 +227,25 @@ mod tests {
     }
 
     #[test]
+    fn the_example_config_says_the_defaults_and_its_sources_parse() {
+        let text = include_str!("../../prefix-router.example.toml");
+        let cfg: crate::config::Config = toml::from_str(text).unwrap();
+        assert_eq!(cfg.discovery, DiscoveryConfig::default());
+        // The commented sources, uncommented, are valid.
+        let sources: String = text
+            .lines()
+            .skip_while(|l| !l.starts_with("# [[discovery.dns]]"))
+            .take_while(|l| !l.starts_with("[admin]"))
+            .filter_map(|l| l.strip_prefix("# "))
+            .filter(|l| l.starts_with('[') || l.contains(" = "))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let cfg: crate::config::Config = toml::from_str(&sources).unwrap();
+        cfg.validate().unwrap();
+        assert_eq!((cfg.discovery.dns.len(), cfg.discovery.file.len()), (2, 1));
+    }
+
+    #[test]
     fn bad_sources_are_refused() {
         assert!(
             parse("[[dns]]\nname = \"x\"\n").is_err(),
