@@ -32,6 +32,11 @@ const ENGINE: &[&str] = &[
 ];
 /// Generous: the machine is shared and loaded.
 const WAIT: Duration = Duration::from_secs(30);
+/// `ENGINE`'s decode step.
+const DECODE_STEP_MS: u64 = 10;
+/// Tokens of the long stream: 3 s of decode steps, far longer than a
+/// source's poll (200 ms) and the router's reaction to it.
+const STREAM_TOKENS: u64 = 300;
 /// The workload's bounds, whatever the test does.
 const MAX_REQUESTS: usize = 5_000;
 const MAX_RUN: Duration = Duration::from_secs(120);
@@ -172,6 +177,44 @@ impl Drop for Sick {
     }
 }
 
+/// A long streamed chat opened through the router (`debug_headers` on):
+/// the connection, the backend the response head names, and what was read.
+fn open_stream(addr: SocketAddr) -> (std::net::TcpStream, String, Vec<u8>) {
+    let body =
+        json!({"model": "sim-llama-8b", "max_tokens": STREAM_TOKENS, "stream": true, "messages": [
+        {"role": "user", "content": "a long stream that outlives its backend's record"}]})
+        .to_string();
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(WAIT)).unwrap();
+    write!(
+        c,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = c.read(&mut buf).unwrap();
+        assert!(
+            n > 0,
+            "closed before the head: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&got).into_owned();
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    let backend = text
+        .lines()
+        .find_map(|l| l.strip_prefix("x-prefix-router-backend: "))
+        .expect("the backend header")
+        .trim()
+        .to_owned();
+    (c, backend, got)
+}
+
 /// Occurrences of `needle` in the router's recent log.
 fn logged(r: &Router, needle: &str) -> usize {
     r.child.stderr_tail(256 * 1024).matches(needle).count()
@@ -220,22 +263,39 @@ fn dns_records_added_and_removed_under_traffic() {
     let s = r.backend(&url(5));
     assert!(s["healthy"] == false && s["unproven"] == true, "{s}");
 
-    // A record disappears while requests run on it.
-    dns.set_a(
-        "engines.test",
-        &[ip("127.0.0.3"), ip("127.0.0.4"), ip("127.0.0.5")],
-    );
+    // The record of the engine serving a long stream disappears.
+    let opened = Instant::now();
+    let (mut stream, gone, mut got) = open_stream(r.addr);
+    let gone_ip: u8 = gone
+        .trim_start_matches("http://127.0.0.")
+        .split(':')
+        .next()
+        .and_then(|i| i.parse().ok())
+        .unwrap_or_else(|| panic!("a stream on {gone}"));
+    let left: Vec<IpAddr> = (2..=5u8)
+        .filter(|i| *i != gone_ip)
+        .map(|i| ip(&format!("127.0.0.{i}")))
+        .collect();
+    dns.set_a("engines.test", &left);
     wait_until("the removed engine leaves the fleet", || {
-        !urls(&r).contains(&url(2))
+        !urls(&r).contains(&gone)
     });
-    // Its in-flight requests finish within a few decode steps.
-    std::thread::sleep(Duration::from_millis(500));
-    let served = e[0].requests_served();
+    assert!(
+        opened.elapsed() < Duration::from_millis(STREAM_TOKENS * DECODE_STEP_MS * 3 / 4),
+        "removal was too slow to overlap the stream"
+    );
+    // Its stream goes on to the end.
+    stream.read_to_end(&mut got).unwrap();
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.contains("data: [DONE]"), "the stream was cut: {text}");
+    let removed = &e[usize::from(gone_ip - 2)];
+    std::thread::sleep(Duration::from_millis(300));
+    let served = removed.requests_served();
     std::thread::sleep(Duration::from_secs(1));
     let statuses = finish(&stop, clients);
     assert_all_ok(&statuses);
     assert_eq!(
-        e[0].requests_served(),
+        removed.requests_served(),
         served,
         "a removed backend got new requests"
     );
@@ -244,8 +304,9 @@ fn dns_records_added_and_removed_under_traffic() {
         0,
         "the backend failing its probes got traffic"
     );
-    assert!(e[1].requests_served() > 0 && e[2].requests_served() > 0);
-    assert_eq!(urls(&r), [url(3), url(4), url(5)]);
+    let mut want: Vec<String> = left.iter().map(|i| format!("http://{i}:{port}")).collect();
+    want.sort();
+    assert_eq!(urls(&r), want);
     let m = r.metrics();
     let line = format!("prefix_router_discovery_backends{{source=\"dns:engines.test:{port}\"}} 3");
     assert!(m.contains(&line), "{line} not in\n{m}");
