@@ -485,3 +485,43 @@ fn file_source_adds_and_removes_lines_under_traffic() {
         "{m}"
     );
 }
+
+#[test]
+fn a_reload_adds_and_drops_a_source() {
+    let e = SimEngine::fleet(2, ENGINE);
+    let tmp = std::env::temp_dir();
+    let id = std::process::id();
+    let list = tmp.join(format!("router-discovery-reload-{id}.txt"));
+    let config = tmp.join(format!("router-discovery-reload-{id}.toml"));
+    std::fs::write(&list, format!("{}\n", e[1].url())).unwrap();
+    let static_only = format!("backends = [\"{}\"]\n{}", e[0].url(), router_toml(""));
+    std::fs::write(&config, &static_only).unwrap();
+    let r = Router::spawn(&[], &["--config", config.to_str().unwrap()], "");
+    wait_until("the static engine is healthy", || healthy(&r, &e[0].url()));
+    let reload = || {
+        let resp = testkit::http::request(r.admin, "POST", "/admin/reload", &[], b"").unwrap();
+        assert_eq!(resp.status, 200, "{}", resp.text());
+    };
+
+    let with_file = format!(
+        "{static_only}[[discovery.file]]\npath = \"{}\"\ninterval_ms = 200\n",
+        list.display()
+    );
+    std::fs::write(&config, with_file).unwrap();
+    reload();
+    wait_until("the file's engine joins", || healthy(&r, &e[1].url()));
+    let source = format!("file:{}", list.display());
+    assert!(r.metrics().contains(&source));
+
+    std::fs::write(&config, &static_only).unwrap();
+    reload();
+    wait_until("the file's engine leaves", || urls(&r) == [e[0].url()]);
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(
+        !r.metrics().contains(&source),
+        "a dropped source leaves /metrics"
+    );
+    assert_eq!(urls(&r), [e[0].url()], "and does not come back");
+    std::fs::remove_file(&list).ok();
+    std::fs::remove_file(&config).ok();
+}

@@ -140,6 +140,8 @@ fn run(router: &Router, membership: &Membership, rt: &tokio::runtime::Runtime) {
         let d = &cfg.discovery;
         let keys = d.keys();
         sources.retain(|k, _| keys.contains(k));
+        // A reload may have dropped a source while it was being polled.
+        router.metrics.discovery.retain(&keys);
         let now = Instant::now();
         let due = |s: Option<&Source>| s.and_then(|s| s.next_due).is_none_or(|t| t <= now);
         let dns_due: Vec<_> = d
