@@ -386,21 +386,26 @@ fn dns_failures_keep_the_fleet_and_log_once() {
 
 #[test]
 fn srv_records_give_hosts_and_ports() {
-    let e = SimEngine::fleet(2, ENGINE);
+    // Two engines on their own ports, one on IPv6 loopback (an AAAA record).
+    let mut args = vec!["--id", "e0"];
+    args.extend_from_slice(ENGINE);
+    let e0 = SimEngine::spawn(&args);
+    let e1 = engine_on("e1", "[::1]:0");
     let dns = DnsServer::spawn();
     dns.set_a("e0.test", &[ip("127.0.0.1")]);
-    dns.set_a("e1.test", &[ip("127.0.0.1")]);
+    dns.set_a("e1.test", &[ip("::1")]);
     dns.set_srv(
         "_http._tcp.engines.test",
-        &[("e0.test", e[0].addr.port()), ("e1.test", e[1].addr.port())],
+        &[("e0.test", e0.addr.port()), ("e1.test", e1.addr.port())],
     );
     let toml = router_toml(&format!(
         "dns_server = \"{}\"\n[[discovery.dns]]\nname = \"_http._tcp.engines.test\"\nrecord = \"srv\"\ninterval_ms = 200\n",
         dns.addr
     ));
     let r = Router::spawn(&[], &["--policy", "round-robin"], &toml);
+    assert!(e1.url().starts_with("http://[::1]:"), "{}", e1.url());
     wait_until("both engines are healthy", || {
-        healthy(&r, &e[0].url()) && healthy(&r, &e[1].url())
+        healthy(&r, &e0.url()) && healthy(&r, &e1.url())
     });
     for i in 0..8 {
         let body = json!({"messages": [{"role": "user", "content": format!("srv {i}")}]});
@@ -411,7 +416,7 @@ fn srv_records_give_hosts_and_ports() {
             200
         );
     }
-    assert!(e[0].requests_served() > 0 && e[1].requests_served() > 0);
+    assert!(e0.requests_served() > 0 && e1.requests_served() > 0);
 }
 
 #[test]

@@ -22,8 +22,9 @@ pub struct DiscoveryConfig {
     /// included, as Kubernetes pods have them).
     pub dns_server: Option<SocketAddr>,
     /// Deadline of one whole resolution of one source (every query it
-    /// takes, search domains and SRV targets included). 2 s: a healthy
-    /// resolver answers in milliseconds; a dead one must not stall the others.
+    /// takes, search domains and SRV targets included), or of one file read.
+    /// 2 s: a healthy resolver answers in milliseconds; a dead one (or a
+    /// hung file system) must not stall the other sources.
     pub timeout_ms: u64,
     /// An answer with no backends (NXDOMAIN, no records, an empty file)
     /// removes a source's backends only when it repeats this many times in

@@ -1,9 +1,10 @@
 //! Discovery: backends from DNS names (`dns`) and files (`file`) besides
 //! the static list. One thread polls every source at its interval, on a
 //! small tokio runtime of its own (the resolver is async), never on a
-//! worker; each resolution is bounded by `discovery.timeout_ms`, and DNS
-//! sources due together resolve concurrently, so a dead server delays no
-//! other source by more than that.
+//! worker; each resolution or file read is bounded by
+//! `discovery.timeout_ms`, and DNS sources due together resolve
+//! concurrently, so a dead server or file system delays no other source by
+//! more than that.
 //!
 //! Each source keeps its last good list. A failure (DNS error or timeout,
 //! an unreadable or wholly malformed file) keeps it, logged once per change
@@ -183,7 +184,8 @@ fn run(router: &Router, membership: &Membership, rt: &tokio::runtime::Runtime) {
             if !due(sources.get(&key)) {
                 continue;
             }
-            let answer = file::read(&f.path, &mut sources.entry(key.clone()).or_default().file);
+            let state = &mut sources.entry(key.clone()).or_default().file;
+            let answer = file::read(&f.path, state, ms(d.timeout_ms));
             handle(
                 router,
                 membership,
