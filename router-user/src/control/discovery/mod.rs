@@ -151,7 +151,9 @@ fn run(router: &Router, membership: &Membership, rt: &tokio::runtime::Runtime) {
             .filter(|x| due(sources.get(&x.key())))
             .collect();
         if !dns_due.is_empty() {
-            let fresh = matches!(&resolver, Some((srv, t, _)) if *srv == d.dns_server && *t == d.timeout_ms);
+            // Built again when its settings changed, or when building it
+            // failed (an /etc/resolv.conf that was unreadable may be back).
+            let fresh = matches!(&resolver, Some((srv, t, Ok(_))) if *srv == d.dns_server && *t == d.timeout_ms);
             if !fresh {
                 let r = dns::resolver(d.dns_server, ms(d.timeout_ms));
                 resolver = Some((d.dns_server, d.timeout_ms, r));
