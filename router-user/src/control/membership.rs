@@ -217,4 +217,24 @@ mod tests {
         assert_eq!(urls(&router), [c]);
         assert!(new.health.is_removed());
     }
+
+    #[test]
+    fn a_source_past_the_fleet_limit_fills_it_and_the_rest_waits() {
+        let router = Router::new(config(&["http://127.0.0.1:9000"])).unwrap();
+        let m = Membership::default();
+        let many: Vec<String> = (1..=MAX_BACKENDS + 6)
+            .map(|i| format!("http://127.0.0.1:{}", 9000 + i))
+            .collect();
+        m.set_source(&router, "file:/nonexistent/backends.txt", many);
+        let fleet = router.fleet.load();
+        assert_eq!(fleet.backends.len(), MAX_BACKENDS);
+        assert_eq!(
+            fleet.backends[0].url, "http://127.0.0.1:9000",
+            "the static list first"
+        );
+        let mut slots: Vec<_> = fleet.backends.iter().map(|b| b.slot).collect();
+        slots.sort_unstable();
+        slots.dedup();
+        assert_eq!(slots.len(), MAX_BACKENDS, "one slot each");
+    }
 }
