@@ -11,7 +11,8 @@ use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
 use tracing::{error, info};
 
 use crate::config::{Config, ms};
-use crate::control::{admin, health, loadview, logging, reload};
+use crate::control::membership::Membership;
+use crate::control::{admin, discovery, health, loadview, logging, reload};
 use crate::proxy::listener;
 use crate::router::Router;
 
@@ -54,12 +55,14 @@ pub fn run(
     }
     let _workers = listener::start(router.clone())?;
     health::spawn_checker(router.clone());
+    let membership = Arc::new(Membership::default());
+    discovery::spawn(router.clone(), membership.clone()).context("starting discovery")?;
     if let Some(addr) = cfg.admin.listen {
-        let (r, c) = (router.clone(), reread.clone());
+        let (r, c, m) = (router.clone(), reread.clone(), membership.clone());
         admin::start(
             router.clone(),
             addr,
-            Box::new(move || reload::apply(&r, c()?)),
+            Box::new(move || reload::apply(&r, &m, c()?)),
         )?;
     }
     info!(
@@ -73,7 +76,7 @@ pub fn run(
         .context("installing signal handlers")?;
     for sig in signals.forever() {
         match sig {
-            SIGHUP => match reread().and_then(|c| reload::apply(&router, c)) {
+            SIGHUP => match reread().and_then(|c| reload::apply(&router, &membership, c)) {
                 Ok(()) => info!("configuration reloaded"),
                 Err(e) => {
                     error!(error = %format!("{e:#}"), "reload failed; keeping the running configuration")

@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
+pub mod discovery;
 pub mod ebpf;
 pub mod models;
 pub mod precise;
@@ -46,6 +47,8 @@ pub struct Config {
     pub models: models::ModelsConfig,
     /// Optional pools: models, their backends, their policy (`[[pools]]`).
     pub pools: Vec<models::PoolConfig>,
+    /// Backends from DNS names and files, besides `backends` (`[discovery]`).
+    pub discovery: discovery::DiscoveryConfig,
     /// Add `x-prefix-router-backend` and `x-prefix-router-matched-blocks` to
     /// responses, keep the engine's identity headers (`server`,
     /// `x-engine-id`), and put the internal detail (backend URL, OS error)
@@ -72,6 +75,7 @@ impl Default for Config {
             ebpf: ebpf::EbpfConfig::default(),
             models: models::ModelsConfig::default(),
             pools: Vec::new(),
+            discovery: discovery::DiscoveryConfig::default(),
             debug_headers: false,
         }
     }
@@ -461,9 +465,12 @@ impl Config {
 
     /// Checks what serde cannot; run before the config is used.
     pub fn validate(&self) -> anyhow::Result<()> {
-        if self.backends.is_empty() {
-            bail!("no backends: pass --backend URL or set `backends` in the config file");
+        if self.backends.is_empty() && !self.discovery.any() {
+            bail!(
+                "no backends: pass --backend URL, set `backends` or a [discovery] source in the config file"
+            );
         }
+        self.discovery.validate()?;
         if self.backends.len() > MAX_BACKENDS {
             bail!(
                 "{} backends configured; at most {MAX_BACKENDS} are supported",

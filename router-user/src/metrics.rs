@@ -155,6 +155,8 @@ pub struct Metrics {
     /// Admin connections refused because `MAX_CONNECTIONS` were open.
     admin_refused: Counter,
     buffered_body_bytes: Gauge,
+    /// Each discovery source's state (`control::discovery` writes it).
+    pub discovery: Arc<DiscoveryStatus>,
 }
 
 /// Where the per-backend collector reads: the shared state's own handles.
@@ -249,7 +251,10 @@ impl Metrics {
             }));
         }
         registry.register_collector(Box::new(FleetCollector(sources)));
+        let discovery = Arc::new(DiscoveryStatus::default());
+        registry.register_collector(Box::new(DiscoveryCollector(discovery.clone())));
         Metrics {
+            discovery,
             registry,
             decisions,
             resends,
@@ -610,4 +615,111 @@ fn encode_models(models: &Models, encoder: &mut DescriptorEncoder) -> Result<(),
             .encode_histogram::<ModelLabels>(sum, count, &buckets, None)?;
     }
     Ok(())
+}
+
+/// What one discovery source last did.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct SourceState {
+    /// Backends in its last good answer (what the fleet holds from it).
+    pub backends: usize,
+    /// When its last resolution or read succeeded, in seconds since 1970.
+    pub last_success_unix: Option<f64>,
+    /// Its last error (kept after a later success, with its time).
+    pub last_error: Option<String>,
+    pub last_error_unix: Option<f64>,
+    /// Whether its last attempt failed.
+    pub failing: bool,
+    /// Failed attempts since start.
+    pub errors: u64,
+    /// Empty answers in a row not yet taken as removal (`discovery.empty_after`).
+    pub empty_in_row: u32,
+}
+
+/// The discovery sources' states by source key, written by
+/// `control::discovery`, read at each scrape and by `/admin/backends`.
+#[derive(Debug, Default)]
+pub struct DiscoveryStatus(std::sync::Mutex<std::collections::BTreeMap<String, SourceState>>);
+
+impl DiscoveryStatus {
+    /// Changes the state of `source` (a new one starts at the default).
+    pub fn update(&self, source: &str, f: impl FnOnce(&mut SourceState)) {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        f(m.entry(source.to_owned()).or_default());
+    }
+
+    /// Drops the sources not in `keep` (a reload removed them).
+    pub fn retain(&self, keep: &[String]) {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        m.retain(|k, _| keep.contains(k));
+    }
+
+    pub fn snapshot(&self) -> Vec<(String, SourceState)> {
+        let m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct SourceLabels {
+    source: String,
+}
+
+/// Reads the discovery sources' states at scrape time.
+#[derive(Debug)]
+struct DiscoveryCollector(Arc<DiscoveryStatus>);
+
+impl Collector for DiscoveryCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let states = self.0.snapshot();
+        type Value = fn(&SourceState) -> Option<f64>;
+        let families: [(&str, &str, MetricType, Value); 5] = [
+            (
+                "discovery_backends",
+                "Backends each discovery source gives the fleet (its last good answer)",
+                MetricType::Gauge,
+                |s| Some(s.backends as f64),
+            ),
+            (
+                "discovery_up",
+                "1 when the discovery source's last resolution or read succeeded",
+                MetricType::Gauge,
+                |s| Some(if s.failing { 0.0 } else { 1.0 }),
+            ),
+            (
+                "discovery_last_success_timestamp_seconds",
+                "When the discovery source last succeeded, in seconds since 1970",
+                MetricType::Gauge,
+                |s| s.last_success_unix,
+            ),
+            (
+                "discovery_last_error_timestamp_seconds",
+                "When the discovery source last failed, in seconds since 1970",
+                MetricType::Gauge,
+                |s| s.last_error_unix,
+            ),
+            (
+                "discovery_errors",
+                "Failed resolutions or reads per discovery source (DNS error or timeout, unreadable file)",
+                MetricType::Counter,
+                |s| Some(s.errors as f64),
+            ),
+        ];
+        for (name, help, kind, value) in families {
+            let help = format!("{help}.");
+            let mut family = encoder.encode_descriptor(name, &help, None, kind)?;
+            for (source, s) in &states {
+                let Some(v) = value(s) else { continue };
+                let l = SourceLabels {
+                    source: source.clone(),
+                };
+                match kind {
+                    MetricType::Counter => {
+                        ConstCounter::new(v as u64).encode(family.encode_family(&l)?)?
+                    }
+                    _ => ConstGauge::new(v).encode(family.encode_family(&l)?)?,
+                }
+            }
+        }
+        Ok(())
+    }
 }

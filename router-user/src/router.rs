@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering:
 use arc_swap::ArcSwap;
 use tracing::{info, warn};
 
-use crate::config::{Config, backend_addr};
+use crate::config::{BackendConfig, Config, backend_addr};
 use crate::error::RouterError;
 use crate::metrics::{Metrics, Sources};
 use crate::precise::Precise;
@@ -169,7 +169,10 @@ impl Router {
             .backends
             .iter()
             .map(|b| b.kv_blocks().unwrap_or(config.prefix.kv_blocks))
-            .sum();
+            .sum::<usize>()
+            + config
+                .discovery
+                .index_reserve_blocks(config.prefix.kv_blocks);
         let index = PrefixIndex::new(total);
         let mut backends = Vec::new();
         for (slot, b) in config.backends.iter().enumerate() {
@@ -233,10 +236,14 @@ impl Router {
         let mut subs = self.subscribers.lock().unwrap_or_else(|e| e.into_inner());
         subs.resize_with(MAX_BACKENDS, || None);
         for (slot, sub) in subs.iter_mut().enumerate() {
-            let want = fleet.by_slot(slot).and_then(|b| {
-                let bc = cfg.backends.iter().find(|c| c.url() == b.url)?;
-                Some(cfg.precise.endpoints(bc))
-            });
+            // A discovered backend has no table: its host and the precise ports.
+            let want =
+                fleet
+                    .by_slot(slot)
+                    .map(|b| match cfg.backends.iter().find(|c| c.url() == b.url) {
+                        Some(bc) => cfg.precise.endpoints(bc),
+                        None => cfg.precise.endpoints(&BackendConfig::Url(b.url.clone())),
+                    });
             if sub.as_ref().map(|s| &s.endpoints) == want.as_ref() {
                 continue;
             }

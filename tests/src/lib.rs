@@ -11,6 +11,9 @@
 //! - [`http::request`]`(addr, method, path, headers, body) -> Response { status, headers, body }`
 //!   and [`http::request_chunks`] (each chunk with its arrival instant).
 //!
+//! - [`dns::DnsServer::spawn`]`()`: an authoritative DNS server on loopback
+//!   UDP whose A/AAAA/SRV records (and failure modes) a test changes while
+//!   the router resolves it.
 //! - [`fake_backend::FakeBackend::spawn`]`(handler)`: a misbehaving backend on
 //!   std::net that counts and records every request and answers as the
 //!   handler writes (or closes without a byte).
@@ -39,6 +42,7 @@
 //! hit-rate ceiling uses.
 
 mod bin_path;
+pub mod dns;
 pub mod engine;
 pub mod engine_proc;
 pub mod fake_backend;

@@ -123,6 +123,7 @@ fn backends_json(router: &Router) -> serde_json::Value {
                 "url": b.url,
                 "slot": b.slot,
                 "healthy": b.health.is_healthy(),
+                "unproven": b.health.is_unproven(),
                 "draining": b.health.is_draining(),
                 "in_flight": load.in_flight(),
                 "queued_prefill_blocks": load.queued_prefill_blocks(),
@@ -157,7 +158,14 @@ fn backends_json(router: &Router) -> serde_json::Value {
             })
         })
         .collect();
-    json!({ "policy": router.config.load().policy.name(), "backends": list })
+    let discovery: serde_json::Map<_, _> = router
+        .metrics
+        .discovery
+        .snapshot()
+        .into_iter()
+        .map(|(k, v)| (k, json!(v)))
+        .collect();
+    json!({ "policy": router.config.load().policy.name(), "backends": list, "discovery": discovery })
 }
 
 /// Which backend a request body would go to now, and why. Changes nothing.

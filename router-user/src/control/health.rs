@@ -108,10 +108,13 @@ fn apply(router: &Router, b: &Backend, result: Result<(), String>) {
     b.stats.probed(result.is_ok());
     let cfg = router.config.load();
     let h = &cfg.health;
+    let first = b.health.is_unproven();
     let flip = b.health.observe_probe(result.is_ok(), h.rise, h.fall);
     match (result, flip) {
         (Ok(()), flip) => {
-            if flip == Some(Flip::Up) {
+            if flip == Some(Flip::Up) && first {
+                info!(backend = %b.url, "new backend passed its first probe; it takes traffic");
+            } else if flip == Some(Flip::Up) {
                 info!(backend = %b.url, "backend is healthy again");
             }
             if cfg.prefix.read_kv_capacity && b.feedback.first_capacity_lookup() {

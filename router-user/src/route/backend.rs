@@ -119,6 +119,9 @@ pub struct Health {
     /// Health probes passed / failed in a row.
     checks_ok_in_row: AtomicU32,
     checks_failed_in_row: AtomicU32,
+    /// Joined the running fleet (a reload or discovery) and has passed no
+    /// probe yet: not healthy, and its first passed probe brings it up.
+    unproven: AtomicBool,
 }
 
 impl Default for Health {
@@ -130,11 +133,27 @@ impl Default for Health {
             failures_in_row: AtomicU32::new(0),
             checks_ok_in_row: AtomicU32::new(0),
             checks_failed_in_row: AtomicU32::new(0),
+            unproven: AtomicBool::new(false),
         }
     }
 }
 
 impl Health {
+    /// A backend that joins a running fleet: it takes no traffic until a
+    /// health probe passes (one is enough: `rise` guards flapping backends).
+    pub fn unproven() -> Health {
+        Health {
+            healthy: AtomicBool::new(false),
+            unproven: AtomicBool::new(true),
+            ..Health::default()
+        }
+    }
+
+    /// It has passed no probe since it joined.
+    pub fn is_unproven(&self) -> bool {
+        self.unproven.load(Relaxed)
+    }
+
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Relaxed)
     }
@@ -166,7 +185,8 @@ impl Health {
         if passed {
             self.checks_failed_in_row.store(0, Relaxed);
             let n = self.checks_ok_in_row.fetch_add(1, Relaxed) + 1;
-            if n >= rise && !self.healthy.swap(true, Relaxed) {
+            let first = self.unproven.swap(false, Relaxed);
+            if (n >= rise || first) && !self.healthy.swap(true, Relaxed) {
                 self.failures_in_row.store(0, Relaxed);
                 return Some(Flip::Up);
             }
