@@ -43,13 +43,15 @@ impl Fleet {
         let servers = LlamaServer::fleet(paths, n, 2);
         let urls: Vec<String> = servers.iter().map(LlamaServer::url).collect();
         let router = Router::spawn(&urls, &["--debug-headers"], "");
-        // Healthy, and known as a slot engine (read from `/props` after the
+        // Healthy, known as a slot engine (read from `/props` after the
         // first passed probe): before that, requests are placed as for a
-        // block cache and the slot model has not seen them.
+        // block cache and the slot model has not seen them. And its models
+        // known (`/v1/models`): while one server's are and the other's are
+        // not, the known one takes every request of its model.
         for u in &urls {
             assert!(
                 router.wait_backend(u, Duration::from_secs(20), |b| {
-                    b["healthy"] == true && b["engine"] == "slots"
+                    b["healthy"] == true && b["engine"] == "slots" && b["models"].is_array()
                 }),
                 "{u} never became a healthy slot engine: {:?}",
                 router.backend(u)
