@@ -14,7 +14,7 @@ const MAY_USE: &[(&str, &[&str])] = &[
     ("route", &["error"]),
     ("precise", &["error", "route"]),
     ("config", &["error", "http", "route", "precise"]),
-    ("metrics", &["error", "config", "route"]),
+    ("metrics", &["error", "config", "route", "precise"]),
     (
         "router",
         &["error", "config", "route", "precise", "metrics"],
