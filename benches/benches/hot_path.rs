@@ -1,6 +1,6 @@
 //! Micro-benchmarks of the request path's hot structures: prompt extraction
 //! and block hashing (bytes per second), prefix-index lookup and insert (time
-//! per block), selection (time per decision at 4 to 256 backends), the
+//! per block), selection (time per decision at 4 to 1,024 backends), the
 //! model filter before it, and the whole routing step at 8 to 1,024
 //! backends (`fleet_size`).
 //!
@@ -176,7 +176,7 @@ fn selection(c: &mut Criterion) {
     let mut g = c.benchmark_group("select");
     let params = prefix_router::config::PrefixConfig::default().params();
     g.throughput(Throughput::Elements(1));
-    for n in [4usize, 16, 64, 256] {
+    for n in [4usize, 16, 64, 256, 1024] {
         let loads: Vec<BackendLoad> = (0..n)
             .map(|i| BackendLoad {
                 eligible: true,

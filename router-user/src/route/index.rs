@@ -22,8 +22,9 @@
 //!
 //! Memory: 32 bytes a slot whatever the fleet size, slots = 4/3 x the sum of
 //! capacities, plus 8 bytes a ring entry: 32 * 4/3 + 8 = 50.7 bytes per
-//! tracked block when every backend is full, plus a fixed ~100 bytes per
-//! backend slot (`memory_per_tracked_block` and
+//! tracked block when every backend is full, plus 72 bytes per backend slot
+//! (72 KB for `MAX_BACKENDS`: 9 bytes a block on 8 backends of 1,024
+//! blocks, nothing on real capacities; `memory_per_tracked_block` and
 //! `memory_per_tracked_block_at_1024_backends` in the tests measure it).
 
 use std::collections::VecDeque;
