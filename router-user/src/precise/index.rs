@@ -10,7 +10,7 @@
 //! Reads (request path) take no lock: a table slot is atomics (key, owners,
 //! burst-guard owners and their stamp), owners named by id in lanes
 //! (`route::owners`, [`LANES`] of each per slot whatever the fleet size;
-//! when they are taken a new one replaces the lane the key picks: a hint
+//! when they are taken a new one replaces the lane its id picks: a hint
 //! lost, a later removal of the one replaced finds nothing to clear). Writes come from one subscriber
 //! thread per backend, each under that backend's own mutex, and from the
 //! routing step's burst guard (atomics only).
@@ -144,7 +144,7 @@ impl PreciseIndex {
                 Self::unref(&mut held, old, |k| self.drop_owner(k, backend));
             }
             *held.refs.entry(key).or_insert(0) += 1;
-            add_or_replace(&self.find_or_claim(key).owners, key, backend);
+            add_or_replace(&self.find_or_claim(key).owners, backend);
         }
         self.held_count[backend].store(held.by_engine.len(), Relaxed);
         Ok(hashes.len())
@@ -205,7 +205,7 @@ impl PreciseIndex {
             let s = self.find_or_claim(k);
             let fresh = now_ms.wrapping_sub(s.guard_ms.load(Relaxed)) < burst_ms;
             if fresh {
-                add_or_replace(&s.guard, k, backend);
+                add_or_replace(&s.guard, backend);
             } else {
                 s.guard.store(owners::only(backend), Relaxed);
             }
@@ -328,12 +328,13 @@ impl PreciseIndex {
     }
 }
 
-/// Names `backend` in `word`; when its lanes are taken, in the lane `key`
-/// picks (see the module's doc).
-fn add_or_replace(word: &AtomicU64, key: u64, backend: usize) {
+/// Names `backend` in `word`; when its lanes are taken, in the lane its id
+/// picks, so the blocks of one chain (stored by the same engines in the
+/// same order) lose the same owner (see the module's doc).
+fn add_or_replace(word: &AtomicU64, backend: usize) {
     if owners::add(word, backend) == Added::Full {
         let w = word.load(Relaxed);
-        let k = (key % LANES as u64) as usize;
+        let k = backend % LANES;
         if let Some((_, victim)) = owners::each(w).find(|&(lane, _)| lane == k) {
             owners::replace(word, k, victim, backend);
         }
@@ -408,6 +409,52 @@ mod tests {
             idx.longest_matches(&keys, &[2].into_iter().collect(), 0, 0, &mut m),
             0
         );
+    }
+
+    #[test]
+    fn backends_past_64_and_more_holders_than_lanes() {
+        let idx = PreciseIndex::new(1024);
+        let seed = chain_seed(None);
+        let t = toks(32);
+        let store = |b: usize| {
+            idx.stored(
+                b,
+                &StoredChain {
+                    seed,
+                    parent: None,
+                    hashes: &[b as u64 * 10, b as u64 * 10 + 1],
+                    tokens: &t,
+                    block: 16,
+                    extra: &[],
+                },
+            )
+            .unwrap()
+        };
+        let mut keys = Vec::new();
+        request_keys(seed, &t, 16, &[], &mut keys);
+        let every = BackendSet::first(MAX_BACKENDS);
+        let mut m = Matches::new();
+        for b in [70, 500, 1023] {
+            store(b);
+        }
+        assert_eq!(idx.longest_matches(&keys, &every, 0, 0, &mut m), 3);
+        assert_eq!((m[70], m[500], m[1023], m[0]), (2, 2, 2, 0));
+        // Six engines store the same blocks: four lanes name four of them,
+        // the same four for both blocks; the others' removals are harmless.
+        for b in [1, 2, 3] {
+            store(b);
+        }
+        idx.longest_matches(&keys, &every, 0, 0, &mut m);
+        assert_eq!(m.holders().count(), LANES);
+        assert!(m.holders().all(|(_, n)| n == 2));
+        for b in [1, 2, 3, 70, 500, 1023] {
+            idx.clear_backend(b);
+        }
+        assert_eq!(idx.longest_matches(&keys, &every, 0, 0, &mut m), 0);
+        // The burst guard names backends past 64 too.
+        idx.guard(900, &keys, 10, 100);
+        idx.longest_matches(&keys, &every, 50, 100, &mut m);
+        assert_eq!(m[900], 2);
     }
 
     #[test]
