@@ -321,7 +321,7 @@ impl PreciseIndex {
     fn drop_owner(&self, key: u64, backend: usize) {
         if let Some(s) = self.find(key) {
             let left = owners::remove(&s.owners, backend);
-            if left == 0 && s.guard.load(Relaxed) == 0 {
+            if owners::count(left) == 0 && owners::count(s.guard.load(Relaxed)) == 0 {
                 let _ = s.key.compare_exchange(key, 0, Relaxed, Relaxed);
             }
         }

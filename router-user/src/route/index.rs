@@ -627,7 +627,7 @@ impl PrefixIndex {
         for w in &s.owners {
             owners::remove(w, backend);
         }
-        if s.load() == [0; OWNER_WORDS] {
+        if s.owner_count() == 0 {
             let _ = s.key.compare_exchange(h, 0, Relaxed, Relaxed);
         }
     }

@@ -78,17 +78,20 @@ pub enum Added {
     Full,
 }
 
-/// Names `backend` in a free lane of `a` (its referenced bit clear).
+/// Names `backend` in a free lane of `a` (its referenced bit clear). A
+/// lane without an id is free even with its referenced bit set (a
+/// [`touch`] that raced the lane's removal leaves one).
 pub fn add(a: &AtomicU64, backend: usize) -> Added {
     let mut w = a.load(Relaxed);
     loop {
         if position(w, backend).is_some() {
             return Added::Held;
         }
-        let Some(k) = (0..LANES).find(|&k| lane(w, k) == 0) else {
+        let Some(k) = (0..LANES).find(|&k| lane(w, k) & ID == 0) else {
             return Added::Full;
         };
-        match a.compare_exchange_weak(w, w | code(backend) << (16 * k), Relaxed, Relaxed) {
+        let next = (w & !(0xffff << (16 * k))) | code(backend) << (16 * k);
+        match a.compare_exchange_weak(w, next, Relaxed, Relaxed) {
             Ok(_) => return Added::New,
             Err(now) => w = now,
         }
@@ -138,7 +141,8 @@ pub fn touch(a: &AtomicU64, backend: usize) {
     if let Some(k) = position(w, backend)
         && lane(w, k) & REF == 0
     {
-        // A lane reassigned since the load gets a stray bit: a hint only.
+        // A lane reassigned or emptied since the load gets a stray bit: a
+        // hint only (`add` takes an emptied lane all the same).
         a.fetch_or(REF << (16 * k), Relaxed);
     }
 }
@@ -249,6 +253,45 @@ mod tests {
         let left = remove(&a, 9);
         assert_eq!(count(left), 3);
         assert_eq!(add(&a, 0), Added::New);
+    }
+
+    #[test]
+    fn a_stray_referenced_bit_does_not_take_a_lane() {
+        let a = AtomicU64::new(REF << 16);
+        assert_eq!(count(a.load(Relaxed)), 0);
+        for b in 0..LANES {
+            assert_eq!(add(&a, b), Added::New, "lane for {b}");
+        }
+        assert!(each(a.load(Relaxed)).all(|(k, _)| !referenced_at(a.load(Relaxed), k)));
+    }
+
+    #[test]
+    fn concurrent_writers_never_lose_each_others_lanes() {
+        // Four threads add, touch and remove their own id on one word: a
+        // lane named by one is never cleared or overwritten by another.
+        let a = std::sync::Arc::new(AtomicU64::new(0));
+        let threads: Vec<_> = [3usize, 99, 700, 1023]
+            .into_iter()
+            .map(|id| {
+                let a = a.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..20_000 {
+                        assert_eq!(add(&a, id), Added::New);
+                        touch(&a, id);
+                        let w = a.load(Relaxed);
+                        let k = position(w, id).expect("still named");
+                        assert!(referenced_at(w, k) || position(a.load(Relaxed), id).is_some());
+                        assert!(take_referenced(&a, id));
+                        remove(&a, id);
+                        assert_eq!(position(a.load(Relaxed), id), None);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("writer");
+        }
+        assert_eq!(a.load(Relaxed), 0);
     }
 
     #[test]
