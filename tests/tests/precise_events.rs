@@ -671,7 +671,14 @@ fn the_router_decodes_what_a_python_engine_publishes_in_both_encodings() {
     let _kill = KillOnDrop(child);
     // The HTTP side is a sim-engine that publishes nothing; its events
     // come from Python. It also tokenizes for the test, as the engine would.
-    let engine = SimEngine::spawn(&["--time-scale", "0"]);
+    // It serves a LoRA adapter too (the router sends only models its
+    // backends list).
+    let engine = SimEngine::spawn(&[
+        "--time-scale",
+        "0",
+        "--lora-modules",
+        "support-adapter=/adapters/support",
+    ]);
     let url = engine.url();
     let cfg = format!(
         "backends = [{{ url = \"{url}\", kv_events = \"tcp://127.0.0.1:{p}\", kv_events_replay = \"tcp://127.0.0.1:{r}\" }}]\n[precise]\nenabled = true\nburst_ms = 0\nrecover_ms = 1000\n"
