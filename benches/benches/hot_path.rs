@@ -305,7 +305,8 @@ fn fleet_size(c: &mut Criterion) {
             idx.memory_bytes() as f64 / idx.total_tracked() as f64,
             idx.total_tracked()
         );
-        let slots = BackendSet::first(n);
+        // As `Router::route`: every slot a candidate, the fleet's read.
+        let slots = BackendSet::ALL;
         let mut m = Matches::new();
         let (mut loads, mut matches) = (Vec::with_capacity(n), Vec::with_capacity(n));
         let mut ticket = 0u64;

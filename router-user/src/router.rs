@@ -328,8 +328,11 @@ impl Router {
         let mut matches = std::mem::take(&mut scratch.prefix_matches);
         matches.clear();
         if policy == Policy::Prefix && !hashes.is_empty() {
+            // Every slot: only the fleet's are read below (a slot is
+            // cleared before a new backend takes it, `control::membership`),
+            // so the request makes no pass over the fleet for this.
             self.index
-                .longest_matches_noting(hashes, &fleet.slot_set(), &mut matches, found);
+                .longest_matches_noting(hashes, &BackendSet::ALL, &mut matches, found);
         }
         scratch.precise_mask = BackendSet::default();
         blocks.keys.clear();

@@ -175,6 +175,9 @@ impl std::fmt::Debug for BackendSet {
 }
 
 impl BackendSet {
+    /// Every slot.
+    pub const ALL: BackendSet = BackendSet([u64::MAX; crate::route::MAX_BACKENDS.div_ceil(64)]);
+
     /// Backends `0..n`.
     pub fn first(n: usize) -> BackendSet {
         let mut s = BackendSet::default();
@@ -300,6 +303,7 @@ mod tests {
         assert!(s.contains(64) && s.contains(1023) && !s.contains(1) && !s.contains(5000));
         assert_eq!(s.iter().collect::<Vec<_>>(), [0, 63, 64, 1023]);
         assert_eq!(BackendSet::first(1024).iter().count(), 1024);
+        assert!(BackendSet::first(1024) == BackendSet::ALL);
         assert!(BackendSet::default().is_empty());
     }
 }
