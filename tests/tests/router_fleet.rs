@@ -24,6 +24,9 @@ const DROPPED: usize = 24;
 const CONVERSATIONS: usize = 24;
 /// Generous: the machine is shared and loaded.
 const WAIT: Duration = Duration::from_secs(30);
+/// Each engine's cache, and what the router sizes its index for (the
+/// default, 65,536 blocks a backend, would be a 2.8 GB index at 1,024).
+const KV_BLOCKS: usize = 512;
 
 fn signal(pid: u32, sig: i32) {
     // SAFETY: kill(2) on a child process this test started.
@@ -35,7 +38,7 @@ fn signal(pid: u32, sig: i32) {
 fn config(addrs: &[SocketAddr]) -> String {
     let list: Vec<String> = addrs.iter().map(|a| format!("\"http://{a}\"")).collect();
     format!(
-        "debug_headers = true\nbackends = [{}]\n\n[health]\ninterval_ms = 2000\ntimeout_ms = 2000\n",
+        "debug_headers = true\nbackends = [{}]\n\n[prefix]\nkv_blocks = {KV_BLOCKS}\n\n[health]\ninterval_ms = 5000\ntimeout_ms = 5000\n",
         list.join(", ")
     )
 }
@@ -99,7 +102,12 @@ fn wait_fleet(r: &Router, n: usize) {
 fn a_1024_backend_router_starts_routes_and_reloads() {
     let started = Instant::now();
     let engines: Vec<(SimEngine, Vec<SocketAddr>)> = (0..PROCESSES)
-        .map(|_| SimEngine::spawn_ports(PORTS, &["--time-scale", "0", "--kv-blocks", "512"]))
+        .map(|_| {
+            SimEngine::spawn_ports(
+                PORTS,
+                &["--time-scale", "0", "--kv-blocks", &KV_BLOCKS.to_string()],
+            )
+        })
         .collect();
     let addrs: Vec<SocketAddr> = engines.iter().flat_map(|(_, a)| a.clone()).collect();
     assert_eq!(addrs.len(), FLEET);
@@ -123,7 +131,12 @@ fn a_1024_backend_router_starts_routes_and_reloads() {
     );
     for c in 0..CONVERSATIONS {
         let (engine, matched) = send(&r, &conversation(c, 2));
-        assert_eq!(engine, home[&c], "conversation {c} moved");
+        assert_eq!(
+            engine,
+            home[&c],
+            "conversation {c} moved; router log:\n{}",
+            r.child.stderr_tail(4096)
+        );
         assert!(matched > 10, "conversation {c}: {matched} blocks matched");
     }
     // The engines' own counters: each home engine answered both turns of
@@ -135,6 +148,8 @@ fn a_1024_backend_router_starts_routes_and_reloads() {
     for (e, n) in &per_engine {
         assert_eq!(engine_requests(e), *n, "engine {e}");
     }
+    let rss = r.rss_kib() / 1024;
+    println!("router RSS at {FLEET} backends: {rss} MiB");
     let metrics = r.metrics();
     assert!(
         metrics.contains("prefix_router"),
@@ -157,7 +172,12 @@ fn a_1024_backend_router_starts_routes_and_reloads() {
             "conversation {c} sent to removed {engine}"
         );
         if !gone.contains(&home[&c]) {
-            assert_eq!(engine, home[&c], "conversation {c} moved after the reload");
+            assert_eq!(
+                engine,
+                home[&c],
+                "conversation {c} moved after the reload; router log:\n{}",
+                r.child.stderr_tail(4096)
+            );
             assert!(matched > 10, "conversation {c} lost its history: {matched}");
         }
     }
