@@ -1,7 +1,8 @@
 //! Micro-benchmarks of the request path's hot structures: prompt extraction
 //! and block hashing (bytes per second), prefix-index lookup and insert (time
-//! per block), selection (time per decision at 4 to 256 backends), and the
-//! model filter before it.
+//! per block), selection (time per decision at 4 to 1,024 backends), the
+//! model filter before it, and the whole routing step at 8 to 1,024
+//! backends (`fleet_size`).
 //!
 //! `cargo bench -p router-benches --bench hot_path`; `cargo xtask bench` runs
 //! it and folds the figures into its results.
@@ -13,6 +14,7 @@ use prefix_router::route::hash::{
     DEFAULT_BLOCK_BYTES, block_hashes, block_hashes_pieces, namespace_seed,
 };
 use prefix_router::route::index::{Matches, PrefixIndex};
+use prefix_router::route::owners::BackendSet;
 use prefix_router::route::scan::{Canonical, scan};
 use prefix_router::route::select::{BackendLoad, Policy, RouteInput, select};
 use router_benches::body::chat_body;
@@ -117,11 +119,11 @@ fn index(c: &mut Criterion) {
         idx.insert((p as usize) % BACKENDS, &prompt_hashes(p, BLOCKS));
     }
     let hit = prompt_hashes(7, BLOCKS);
-    let mut m: Matches = [0; MAX_BACKENDS];
-    let all = (1u64 << BACKENDS) - 1;
+    let mut m = Matches::new();
+    let all = BackendSet::first(BACKENDS);
     g.throughput(Throughput::Elements(BLOCKS as u64));
     g.bench_function("lookup_hit", |b| {
-        b.iter(|| black_box(idx.longest_matches(black_box(&hit), all, &mut m)))
+        b.iter(|| black_box(idx.longest_matches(black_box(&hit), &all, &mut m)))
     });
     // Prompts the index holds but the CPU's caches do not (the router's
     // case: a request's body passes through the caches between two
@@ -134,7 +136,7 @@ fn index(c: &mut Criterion) {
     g.bench_function("lookup_hit_cold", |b| {
         b.iter(|| {
             next = (next + 1) % held.len();
-            black_box(idx.longest_matches(black_box(&held[next].1), all, &mut m))
+            black_box(idx.longest_matches(black_box(&held[next].1), &all, &mut m))
         })
     });
     let mut found = Vec::new();
@@ -142,14 +144,14 @@ fn index(c: &mut Criterion) {
         b.iter(|| {
             next = (next + 1) % held.len();
             let (backend, hashes) = &held[next];
-            idx.longest_matches_noting(hashes, all, &mut m, &mut found);
+            idx.longest_matches_noting(hashes, &all, &mut m, &mut found);
             idx.insert_noted(*backend, hashes, &found);
         })
     });
     let miss = prompt_hashes(u64::MAX / 3, BLOCKS);
     g.throughput(Throughput::Elements(1));
     g.bench_function("lookup_miss", |b| {
-        b.iter(|| black_box(idx.longest_matches(black_box(&miss), all, &mut m)))
+        b.iter(|| black_box(idx.longest_matches(black_box(&miss), &all, &mut m)))
     });
     // Insert of blocks the backend already holds (the lock-free common case).
     g.throughput(Throughput::Elements(BLOCKS as u64));
@@ -174,7 +176,7 @@ fn selection(c: &mut Criterion) {
     let mut g = c.benchmark_group("select");
     let params = prefix_router::config::PrefixConfig::default().params();
     g.throughput(Throughput::Elements(1));
-    for n in [4usize, 16, 64, 256] {
+    for n in [4usize, 16, 64, 256, 1024] {
         let loads: Vec<BackendLoad> = (0..n)
             .map(|i| BackendLoad {
                 eligible: true,
@@ -218,7 +220,7 @@ fn model_filter(c: &mut Criterion) {
     let urls: Vec<String> = (0..MAX_BACKENDS)
         .map(|i| format!("http://10.0.0.{i}:8000"))
         .collect();
-    for n in [4usize, 16, MAX_BACKENDS] {
+    for n in [4usize, 16, 64, MAX_BACKENDS] {
         let members: Vec<Member> = (0..n)
             .map(|i| {
                 let mut served = vec![ServedModel {
@@ -265,6 +267,91 @@ fn model_filter(c: &mut Criterion) {
     g.finish();
 }
 
+/// The routing step of `Router::route` for a 4 KB chat turn whose history
+/// one backend holds, at 8 to 1,024 backends each holding 1,024 blocks of
+/// other conversations: scan and block hashes, the index lookup over the
+/// fleet's slots, each backend's load (its tracked blocks read from the
+/// index), selection. The per-request cost against the fleet's size (the
+/// model filter is `model_filter`). Also prints the index's bytes per
+/// tracked block at each size.
+fn fleet_size(c: &mut Criterion) {
+    let mut g = c.benchmark_group("fleet_size");
+    g.throughput(Throughput::Elements(1));
+    let params = prefix_router::config::PrefixConfig::default().params();
+    const HELD: usize = 1_024;
+    let body = chat_body(4 << 10, 77);
+    let mut canon = Canonical::default();
+    let (mut carry, mut hashes, mut found) = (Vec::new(), Vec::new(), Vec::new());
+    let p = scan(Endpoint::Chat, &body, &mut canon).expect("valid body");
+    block_hashes_pieces(
+        p.seed,
+        canon.pieces(&body),
+        DEFAULT_BLOCK_BYTES,
+        &mut carry,
+        &mut hashes,
+    );
+    for n in [8usize, 64, 256, MAX_BACKENDS] {
+        let idx = PrefixIndex::new(n * HELD);
+        for b in 0..n {
+            idx.set_capacity(b, HELD);
+            for p in 0..(HELD / 64) as u64 {
+                idx.insert(b, &prompt_hashes((b as u64) << 16 | p, 64));
+            }
+        }
+        let holder = n / 2;
+        idx.insert(holder, &hashes);
+        println!(
+            "fleet_size/{n}: index {:.1} bytes per tracked block ({} blocks)",
+            idx.memory_bytes() as f64 / idx.total_tracked() as f64,
+            idx.total_tracked()
+        );
+        // As `Router::route`: every slot a candidate, the fleet's read.
+        let slots = BackendSet::ALL;
+        let mut m = Matches::new();
+        let (mut loads, mut matches) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        let mut ticket = 0u64;
+        g.bench_function(BenchmarkId::new("route_chat_warm", n), |b| {
+            b.iter(|| {
+                ticket += 1;
+                let p = scan(Endpoint::Chat, black_box(&body), &mut canon).expect("valid body");
+                hashes.clear();
+                block_hashes_pieces(
+                    p.seed,
+                    canon.pieces(&body),
+                    DEFAULT_BLOCK_BYTES,
+                    &mut carry,
+                    &mut hashes,
+                );
+                idx.longest_matches_noting(&hashes, &slots, &mut m, &mut found);
+                loads.clear();
+                matches.clear();
+                for b in 0..n {
+                    loads.push(BackendLoad {
+                        eligible: true,
+                        in_flight: (b % 3) as u32,
+                        id_hash: prefix_router::route::select::mix(b as u64 + 1),
+                        cached_blocks: idx.tracked(b) as u32,
+                        capacity_blocks: HELD as u32,
+                        ..Default::default()
+                    });
+                    matches.push(m[b]);
+                }
+                let input = RouteInput {
+                    matches: &matches,
+                    blocks: hashes.len() as u32,
+                    cold_key: hashes[0],
+                    session_key: None,
+                    ticket,
+                };
+                let choice = select(Policy::Prefix, &input, &loads, &params);
+                assert_eq!(choice.first(), Some(holder));
+                black_box(choice)
+            })
+        });
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
     extraction,
@@ -272,6 +359,7 @@ criterion_group!(
     hashing,
     index,
     selection,
-    model_filter
+    model_filter,
+    fleet_size
 );
 criterion_main!(benches);

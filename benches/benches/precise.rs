@@ -14,10 +14,10 @@ use prefix_router::precise::keys::{TokenScratch, chain_seed, engine_tokens, requ
 use prefix_router::precise::tokenizer::{
     Choice, DEFAULT_CACHE_TOKENS, DEFAULT_DEFER_BYTES, ModelTokenizer, TokenPool,
 };
-use prefix_router::route::MAX_BACKENDS;
 use prefix_router::route::extract::{Endpoint, Extractor};
 use prefix_router::route::hash::{DEFAULT_BLOCK_BYTES, block_hashes, namespace_seed};
 use prefix_router::route::index::{Matches, PrefixIndex};
+use prefix_router::route::owners::BackendSet;
 use router_benches::body::chat_body;
 use std::hint::black_box;
 use std::sync::Arc;
@@ -101,8 +101,8 @@ fn route(c: &mut Criterion) {
             b.iter(|| {
                 hashes.clear();
                 block_hashes(seed, black_box(&canon), DEFAULT_BLOCK_BYTES, &mut hashes);
-                let mut m: Matches = [0; MAX_BACKENDS];
-                approx.longest_matches(&hashes, 0b1111, &mut m);
+                let mut m = Matches::new();
+                approx.longest_matches(&hashes, &BackendSet::first(4), &mut m);
                 black_box(m[0])
             })
         });
@@ -119,8 +119,8 @@ fn route(c: &mut Criterion) {
                 );
                 keys.clear();
                 request_keys(chain_seed(None), &tokens, 16, &[], &mut keys);
-                let mut m: Matches = [0; MAX_BACKENDS];
-                precise.longest_matches(&keys, 0b1111, 0, 2000, &mut m);
+                let mut m = Matches::new();
+                precise.longest_matches(&keys, &BackendSet::first(4), 0, 2000, &mut m);
                 assert_eq!(m[0] as usize, keys.len());
                 black_box(m[0])
             })
@@ -153,8 +153,8 @@ fn approximate_cost(canon: &[u8]) -> impl FnMut() -> u32 {
     move || {
         hashes.clear();
         block_hashes(seed, black_box(&canon), DEFAULT_BLOCK_BYTES, &mut hashes);
-        let mut m: Matches = [0; MAX_BACKENDS];
-        approx.longest_matches(&hashes, 0b1111, &mut m);
+        let mut m = Matches::new();
+        approx.longest_matches(&hashes, &BackendSet::first(4), &mut m);
         m[0]
     }
 }
@@ -181,8 +181,8 @@ fn precise_added(
         &mut tokens
     ));
     request_keys(chain_seed(None), &tokens, 16, &[], &mut keys);
-    let mut m: Matches = [0; MAX_BACKENDS];
-    index.longest_matches(&keys, 0b1111, 0, 2000, &mut m);
+    let mut m = Matches::new();
+    index.longest_matches(&keys, &BackendSet::first(4), 0, 2000, &mut m);
     black_box(m[0]);
     tokens.len()
 }

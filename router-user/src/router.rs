@@ -21,6 +21,7 @@ use crate::route::feedback::{Correction, Usage};
 use crate::route::hash::{block_hashes_pieces, cold_key};
 use crate::route::index::{Matches, PrefixIndex};
 use crate::route::models::{self, Member, ModelStats, Models, Served};
+use crate::route::owners::BackendSet;
 use crate::route::scan::{Canonical, scan};
 use crate::route::select::{self, BackendLoad, Choice, Policy, RouteInput};
 
@@ -94,6 +95,11 @@ pub struct RouteScratch {
     canonical: Vec<u8>,
     loads: Vec<BackendLoad>,
     matches: Vec<u32>,
+    /// The prefix index's matches, by slot, and the precise index's.
+    prefix_matches: Matches,
+    exact_matches: Matches,
+    /// Learned prefill rates, sorted for their median.
+    rates: Vec<f32>,
     /// Each backend's rank for the request's model (`models::Want::rank`).
     ranks: Vec<u8>,
     /// The last routed request's cold key (for [`Router::scores`]).
@@ -103,9 +109,9 @@ pub struct RouteScratch {
     tokens: Vec<u32>,
     text: crate::precise::keys::TokenScratch,
     first_extra: Vec<Vec<u8>>,
-    /// Precise mode: the backends (bits by slot) the last request was
-    /// matched on the precise index for (the others: the approximate one).
-    pub precise_mask: u64,
+    /// Precise mode: the backends (by slot) the last request was matched
+    /// on the precise index for (the others: on the approximate one).
+    pub precise_mask: BackendSet,
 }
 
 impl RouteScratch {
@@ -319,12 +325,16 @@ impl Router {
                 scratch.canon.write_to(query.body, &mut scratch.canonical);
             }
         }
-        let mut matches: Matches = [0; MAX_BACKENDS];
+        let mut matches = std::mem::take(&mut scratch.prefix_matches);
+        matches.clear();
         if policy == Policy::Prefix && !hashes.is_empty() {
+            // Every slot: only the fleet's are read below (a slot is
+            // cleared before a new backend takes it, `control::membership`),
+            // so the request makes no pass over the fleet for this.
             self.index
-                .longest_matches_noting(hashes, fleet.slot_mask(), &mut matches, found);
+                .longest_matches_noting(hashes, &BackendSet::ALL, &mut matches, found);
         }
-        scratch.precise_mask = 0;
+        scratch.precise_mask = BackendSet::default();
         blocks.keys.clear();
         if let (Some(_), Some(ep), Policy::Prefix) = (&self.precise, query.endpoint, policy) {
             self.precise_matches(
@@ -347,7 +357,7 @@ impl Router {
             if let Some(p) = self
                 .precise
                 .as_ref()
-                .filter(|_| scratch.precise_mask & (1 << b.slot) != 0)
+                .filter(|_| scratch.precise_mask.contains(b.slot))
             {
                 // What its engine says it holds, traffic from elsewhere included.
                 load.cached_blocks = u32::try_from(p.index.held_blocks(b.slot)).unwrap_or(u32::MAX);
@@ -370,8 +380,9 @@ impl Router {
             scratch.loads.push(load);
             scratch.matches.push(m);
         }
+        scratch.prefix_matches = matches;
         models::keep_best(&mut scratch.loads, &scratch.ranks);
-        same_hardware_same_rate(&mut scratch.loads);
+        same_hardware_same_rate(&mut scratch.loads, &mut scratch.rates);
         // Without a full block, the carry is the whole canonical prompt.
         scratch.cold_key = cold_key(seed, &scratch.carry, hashes, cfg.prefix.cold_key_blocks);
         let input = RouteInput {
@@ -425,7 +436,7 @@ impl Router {
         ) {
             // No tokens for this model (its tokenizer is missing or failed,
             // reported once): every backend on the approximate index.
-            scratch.precise_mask = 0;
+            scratch.precise_mask = BackendSet::default();
             return;
         }
         scratch.first_extra.clear();
@@ -442,26 +453,30 @@ impl Router {
             keys,
         );
         let now = p.now_ms();
-        let mut exact = 0u64;
+        let mut exact = BackendSet::default();
         for b in &fleet.backends {
             if p.exact(b.slot, now) {
-                exact |= 1 << b.slot;
+                exact.insert(b.slot);
             }
         }
         scratch.precise_mask = exact;
-        if exact == 0 {
+        if exact.is_empty() {
             return;
         }
-        let mut pm: Matches = [0; MAX_BACKENDS];
+        let pm = &mut scratch.exact_matches;
+        pm.clear();
         if !keys.is_empty() {
-            p.matches(keys, exact, now, &mut pm);
+            p.matches(keys, &exact, now, pm);
         }
-        for slot in crate::route::index::bits(exact) {
-            matches[slot] = if keys.is_empty() {
-                0
-            } else {
-                ((u64::from(pm[slot]) * approx_blocks as u64) / keys.len() as u64) as u32
-            };
+        for slot in exact.iter() {
+            matches.set(
+                slot,
+                if keys.is_empty() {
+                    0
+                } else {
+                    ((u64::from(pm[slot]) * approx_blocks as u64) / keys.len() as u64) as u32
+                },
+            );
         }
     }
 
@@ -571,17 +586,13 @@ fn fleet_slots(fleet: &Fleet) -> usize {
 const SAME_RATE_FACTOR: f32 = 1.5;
 
 /// Replaces rates near the fleet's median by the median (see `SAME_RATE_FACTOR`).
-fn same_hardware_same_rate(loads: &mut [BackendLoad]) {
-    let mut rates: [f32; MAX_BACKENDS] = [0.0; MAX_BACKENDS];
-    let mut n = 0;
-    for l in loads.iter().filter(|l| l.prefill_rate > 0.0) {
-        rates[n] = l.prefill_rate;
-        n += 1;
-    }
+fn same_hardware_same_rate(loads: &mut [BackendLoad], rates: &mut Vec<f32>) {
+    rates.clear();
+    rates.extend(loads.iter().map(|l| l.prefill_rate).filter(|&r| r > 0.0));
+    let n = rates.len();
     if n == 0 {
         return;
     }
-    let rates = &mut rates[..n];
     rates.sort_unstable_by(f32::total_cmp);
     let median = rates[n / 2];
     for l in loads.iter_mut() {
@@ -649,7 +660,7 @@ mod tests {
                 ..Default::default()
             })
             .collect();
-        same_hardware_same_rate(&mut loads);
+        same_hardware_same_rate(&mut loads, &mut Vec::new());
         let rates: Vec<f32> = loads.iter().map(|l| l.prefill_rate).collect();
         // 800 is more than 1.5x below the median: a slower engine, kept.
         assert_eq!(rates, [1300.0, 1300.0, 1300.0, 800.0, 3000.0]);

@@ -37,6 +37,38 @@ impl SimEngine {
         SimEngine { addr, child }
     }
 
+    /// One `sim-engine` process serving `ports` engines (`--ports`) on
+    /// 127.0.0.1 ports the OS picks, each with its own cache and its
+    /// address as its id; returns it (its `addr`: the first) and every
+    /// engine's address.
+    ///
+    /// # Panics
+    /// If it does not start, with its stderr in the message.
+    pub fn spawn_ports(ports: usize, args: &[&str]) -> (SimEngine, Vec<SocketAddr>) {
+        let mut cmd = Command::new(crate::bin_path("sim-engine"));
+        cmd.args(["--listen", "127.0.0.1:0", "--ports", &ports.to_string()]);
+        cmd.args(args);
+        if std::env::var_os("RUST_LOG").is_none() {
+            cmd.env("RUST_LOG", "warn");
+        }
+        let child = Spawned::spawn(cmd, "sim-engine").expect("spawn sim-engine");
+        let addrs: Vec<SocketAddr> = (0..ports)
+            .map(|_| {
+                let Some(line) = child.wait_stdout_line("listening on ", START_TIMEOUT) else {
+                    panic!("sim-engine did not start:\n{}", child.stderr_tail(4096));
+                };
+                line.trim().parse().expect("address after `listening on`")
+            })
+            .collect();
+        (
+            SimEngine {
+                addr: addrs[0],
+                child,
+            },
+            addrs,
+        )
+    }
+
     /// `n` engines with ids `e0`, `e1`, ... and the same extra `args`.
     pub fn fleet(n: usize, args: &[&str]) -> Vec<SimEngine> {
         (0..n)

@@ -215,7 +215,7 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
             "blocks": blocks.hashes.len(),
             "precise_blocks": router.precise.as_ref().map(|_| blocks.keys.len()),
             "matched_on": fleet.backends.iter().map(|b| {
-                let precise = scratch.precise_mask & (1 << b.slot) != 0;
+                let precise = scratch.precise_mask.contains(b.slot);
                 json!({ "url": b.url, "index": if precise { "precise" } else { "approximate" } })
             }).collect::<Vec<_>>(),
             "decision": routed.choice.decision,

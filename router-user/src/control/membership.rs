@@ -20,6 +20,7 @@ use tracing::{error, info, warn};
 use crate::config::{BackendConfig, Config, backend_addr};
 use crate::route::MAX_BACKENDS;
 use crate::route::backend::{Backend, Fleet, Health};
+use crate::route::owners::BackendSet;
 use crate::router::Router;
 
 /// The discovery sources' last good lists, by source key.
@@ -93,19 +94,23 @@ fn wanted(cfg: &Config, found: &BTreeMap<String, Vec<String>>) -> Vec<BackendCon
 /// stores it. A backend whose URL does not resolve is left out, logged.
 pub fn set_backends(router: &Router, cfg: &Config, wanted: &[BackendConfig]) -> Fleet {
     let fleet = router.fleet.load_full();
-    let mut used = [false; MAX_BACKENDS];
+    // Slots kept, and slots the running fleet holds (a removed backend's
+    // stays taken until it is gone: it drains).
+    let mut used = BackendSet::default();
+    let running = fleet.slot_set();
     let mut backends = Vec::with_capacity(wanted.len());
     let mut added = Vec::new();
     for bc in wanted {
         if let Some(b) = fleet.backends.iter().find(|b| b.url == bc.url()) {
-            used[b.slot] = true;
+            used.insert(b.slot);
             backends.push(b.clone());
         } else {
             added.push(bc);
         }
     }
     for bc in added {
-        let Some(slot) = (0..MAX_BACKENDS).find(|&s| !used[s] && fleet.by_slot(s).is_none()) else {
+        let Some(slot) = (0..MAX_BACKENDS).find(|&s| !used.contains(s) && !running.contains(s))
+        else {
             error!(backend = bc.url(), "no free backend slot; not added");
             continue;
         };
@@ -116,7 +121,7 @@ pub fn set_backends(router: &Router, cfg: &Config, wanted: &[BackendConfig]) -> 
                 continue;
             }
         };
-        used[slot] = true;
+        used.insert(slot);
         let kv = bc.kv_blocks().unwrap_or(cfg.prefix.kv_blocks);
         router.index.clear_backend(slot);
         router.index.set_capacity(slot, kv);
@@ -132,7 +137,7 @@ pub fn set_backends(router: &Router, cfg: &Config, wanted: &[BackendConfig]) -> 
         );
     }
     for b in &fleet.backends {
-        if !used[b.slot] {
+        if !used.contains(b.slot) {
             // Workers drop its pooled connections at their next sweep (they
             // watch for fleet swaps) and never pool one again.
             b.health.mark_removed();

@@ -8,7 +8,10 @@
 //! `BlockRemoved` clears exactly the owner bit the engine dropped.
 //!
 //! Reads (request path) take no lock: a table slot is atomics (key, owners,
-//! burst-guard owners and their stamp). Writes come from one subscriber
+//! burst-guard owners and their stamp), owners named by id in lanes
+//! (`route::owners`, [`LANES`] of each per slot whatever the fleet size;
+//! when they are taken a new one replaces the lane its id picks: a hint
+//! lost, a later removal of the one replaced finds nothing to clear). Writes come from one subscriber
 //! thread per backend, each under that backend's own mutex, and from the
 //! routing step's burst guard (atomics only).
 //!
@@ -29,7 +32,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 use super::events::EngineHash;
 use super::keys::block_key;
 use crate::route::MAX_BACKENDS;
-use crate::route::index::{Matches, bits};
+use crate::route::index::Matches;
+use crate::route::owners::{self, Added, BackendSet, LANES};
 
 /// Slots probed for a key from its home slot. Past them an insert displaces
 /// a block, which cuts every chain through it: with 8 (as `route::index`)
@@ -43,9 +47,9 @@ const SLOTS_PER_BLOCK: usize = 2;
 
 struct Slot {
     key: AtomicU64,
-    /// Backends whose engine reported the block stored.
+    /// Backends whose engine reported the block stored (lanes).
     owners: AtomicU64,
-    /// Backends recently sent a request with this block (burst guard).
+    /// Backends recently sent a request with this block (burst guard; lanes).
     guard: AtomicU64,
     /// When the newest guard bit was set, in ms since the index started.
     guard_ms: AtomicU32,
@@ -125,7 +129,6 @@ impl PreciseIndex {
         if block == 0 || tokens.len() != hashes.len() * block {
             return Err(StoreMiss::TokenCount);
         }
-        let bit = 1u64 << backend;
         let mut held = self.held(backend);
         let mut key = match parent {
             None => seed,
@@ -138,10 +141,10 @@ impl PreciseIndex {
                 if old == key {
                     continue;
                 }
-                Self::unref(&mut held, old, |k| self.drop_owner(k, bit));
+                Self::unref(&mut held, old, |k| self.drop_owner(k, backend));
             }
             *held.refs.entry(key).or_insert(0) += 1;
-            self.find_or_claim(key).owners.fetch_or(bit, Relaxed);
+            add_or_replace(&self.find_or_claim(key).owners, backend);
         }
         self.held_count[backend].store(held.by_engine.len(), Relaxed);
         Ok(hashes.len())
@@ -159,13 +162,12 @@ impl PreciseIndex {
 
     /// Records blocks `backend`'s engine evicted; returns how many it held.
     pub fn removed(&self, backend: usize, hashes: &[EngineHash]) -> usize {
-        let bit = 1u64 << backend;
         let mut held = self.held(backend);
         let mut n = 0;
         for h in hashes {
             if let Some(key) = held.by_engine.remove(h) {
                 n += 1;
-                Self::unref(&mut held, key, |k| self.drop_owner(k, bit));
+                Self::unref(&mut held, key, |k| self.drop_owner(k, backend));
             }
         }
         self.held_count[backend].store(held.by_engine.len(), Relaxed);
@@ -175,18 +177,17 @@ impl PreciseIndex {
     /// Forgets everything `backend`'s engine held (a flush, a restart, or a
     /// stream that can no longer be trusted).
     pub fn clear_backend(&self, backend: usize) {
-        let bit = 1u64 << backend;
         let mut held = self.held(backend);
         for (&key, _) in held.refs.iter() {
-            self.drop_owner(key, bit);
+            self.drop_owner(key, backend);
         }
         held.refs = HashMap::new();
         held.by_engine = HashMap::new();
         self.held_count[backend].store(0, Relaxed);
         // And its burst guards: a flushed engine holds nothing just sent.
         for s in self.slots.iter() {
-            if s.guard.load(Relaxed) & bit != 0 {
-                s.guard.fetch_and(!bit, Relaxed);
+            if owners::position(s.guard.load(Relaxed), backend).is_some() {
+                owners::remove(&s.guard, backend);
             }
         }
     }
@@ -200,55 +201,75 @@ impl PreciseIndex {
     /// Marks `keys` as held by `backend` for the burst guard's time, from
     /// `now_ms` (ms since the index started).
     pub fn guard(&self, backend: usize, keys: &[u64], now_ms: u32, burst_ms: u32) {
-        let bit = 1u64 << backend;
         for &k in keys {
             let s = self.find_or_claim(k);
             let fresh = now_ms.wrapping_sub(s.guard_ms.load(Relaxed)) < burst_ms;
             if fresh {
-                s.guard.fetch_or(bit, Relaxed);
+                add_or_replace(&s.guard, backend);
             } else {
-                s.guard.store(bit, Relaxed);
+                s.guard.store(owners::only(backend), Relaxed);
             }
             s.guard_ms.store(now_ms, Relaxed);
         }
     }
 
-    /// Writes into `out` how many leading `keys` each backend in
-    /// `candidates` holds (stored, or guarded within `burst_ms` of
-    /// `now_ms`); returns the mask of backends holding the first one.
+    /// Writes into `out` (cleared first) how many leading `keys` each
+    /// backend in `candidates` holds (stored, or guarded within `burst_ms`
+    /// of `now_ms`); returns how many hold the first one. Its cost follows
+    /// the holders of the first key, not the fleet.
     pub fn longest_matches(
         &self,
         keys: &[u64],
-        candidates: u64,
+        candidates: &BackendSet,
         now_ms: u32,
         burst_ms: u32,
         out: &mut Matches,
-    ) -> u64 {
-        let mut alive = candidates;
-        let mut any = 0;
+    ) -> usize {
+        out.clear();
+        // The backends still matching (holders of every key so far).
+        let mut alive = [0u16; 2 * LANES];
+        let mut n = 0;
+        let mut first = 0;
         for (i, &k) in keys.iter().enumerate() {
-            let owners = self.find(k).map_or(0, |s| {
-                let mut o = s.owners.load(Relaxed);
-                if burst_ms > 0 && now_ms.wrapping_sub(s.guard_ms.load(Relaxed)) < burst_ms {
-                    o |= s.guard.load(Relaxed);
-                }
-                o
+            let (o, g) = self.find(k).map_or((0, 0), |s| {
+                let fresh =
+                    burst_ms > 0 && now_ms.wrapping_sub(s.guard_ms.load(Relaxed)) < burst_ms;
+                (
+                    s.owners.load(Relaxed),
+                    if fresh { s.guard.load(Relaxed) } else { 0 },
+                )
             });
-            for b in bits(alive & !owners) {
-                out[b] = i as u32;
-            }
-            alive &= owners;
+            let holds =
+                |b: usize| owners::position(o, b).is_some() || owners::position(g, b).is_some();
             if i == 0 {
-                any = alive;
+                for (_, b) in owners::each(o).chain(owners::each(g)) {
+                    if candidates.contains(b) && !alive[..n].contains(&(b as u16)) {
+                        alive[n] = b as u16;
+                        n += 1;
+                    }
+                }
+                first = n;
+            } else {
+                let mut kept = 0;
+                for j in 0..n {
+                    let b = alive[j];
+                    if holds(usize::from(b)) {
+                        alive[kept] = b;
+                        kept += 1;
+                    } else {
+                        out.set(usize::from(b), i as u32);
+                    }
+                }
+                n = kept;
             }
-            if alive == 0 {
-                return any;
+            if n == 0 {
+                return first;
             }
         }
-        for b in bits(alive) {
-            out[b] = keys.len() as u32;
+        for &b in &alive[..n] {
+            out.set(usize::from(b), keys.len() as u32);
         }
-        any
+        first
     }
 
     fn home(&self, h: u64) -> usize {
@@ -284,7 +305,7 @@ impl PreciseIndex {
                 }
                 continue;
             }
-            let o = (s.owners.load(Relaxed) | s.guard.load(Relaxed)).count_ones();
+            let o = owners::count(s.owners.load(Relaxed)) + owners::count(s.guard.load(Relaxed));
             if o < fewest {
                 fewest = o;
                 victim = Some(s);
@@ -297,12 +318,25 @@ impl PreciseIndex {
         v
     }
 
-    fn drop_owner(&self, key: u64, bit: u64) {
+    fn drop_owner(&self, key: u64, backend: usize) {
         if let Some(s) = self.find(key) {
-            let left = s.owners.fetch_and(!bit, Relaxed) & !bit;
-            if left == 0 && s.guard.load(Relaxed) == 0 {
+            let left = owners::remove(&s.owners, backend);
+            if owners::count(left) == 0 && owners::count(s.guard.load(Relaxed)) == 0 {
                 let _ = s.key.compare_exchange(key, 0, Relaxed, Relaxed);
             }
+        }
+    }
+}
+
+/// Names `backend` in `word`; when its lanes are taken, in the lane its id
+/// picks, so the blocks of one chain (stored by the same engines in the
+/// same order) lose the same owner (see the module's doc).
+fn add_or_replace(word: &AtomicU64, backend: usize) {
+    if owners::add(word, backend) == Added::Full {
+        let w = word.load(Relaxed);
+        let k = backend % LANES;
+        if let Some((_, victim)) = owners::each(w).find(|&(lane, _)| lane == k) {
+            owners::replace(word, k, victim, backend);
         }
     }
 }
@@ -347,12 +381,12 @@ mod tests {
         .unwrap();
         let mut keys = Vec::new();
         request_keys(seed, &t, 16, &[], &mut keys);
-        let mut m = [0; MAX_BACKENDS];
-        idx.longest_matches(&keys, 0b110, 0, 0, &mut m);
+        let mut m = Matches::new();
+        idx.longest_matches(&keys, &[1, 2].into_iter().collect(), 0, 0, &mut m);
         assert_eq!((m[1], m[2]), (0, 3));
         assert_eq!(idx.removed(2, &[11, 999]), 1);
-        let mut m = [0; MAX_BACKENDS];
-        idx.longest_matches(&keys, 0b100, 0, 0, &mut m);
+        let mut m = Matches::new();
+        idx.longest_matches(&keys, &[2].into_iter().collect(), 0, 0, &mut m);
         assert_eq!(m[2], 1, "block 1 evicted: the match stops there");
         assert_eq!(
             idx.stored(
@@ -370,8 +404,57 @@ mod tests {
         );
         idx.clear_backend(2);
         assert_eq!(idx.held_blocks(2), 0);
-        let mut m = [0; MAX_BACKENDS];
-        assert_eq!(idx.longest_matches(&keys, 0b100, 0, 0, &mut m), 0);
+        let mut m = Matches::new();
+        assert_eq!(
+            idx.longest_matches(&keys, &[2].into_iter().collect(), 0, 0, &mut m),
+            0
+        );
+    }
+
+    #[test]
+    fn backends_past_64_and_more_holders_than_lanes() {
+        let idx = PreciseIndex::new(1024);
+        let seed = chain_seed(None);
+        let t = toks(32);
+        let store = |b: usize| {
+            idx.stored(
+                b,
+                &StoredChain {
+                    seed,
+                    parent: None,
+                    hashes: &[b as u64 * 10, b as u64 * 10 + 1],
+                    tokens: &t,
+                    block: 16,
+                    extra: &[],
+                },
+            )
+            .unwrap()
+        };
+        let mut keys = Vec::new();
+        request_keys(seed, &t, 16, &[], &mut keys);
+        let every = BackendSet::first(MAX_BACKENDS);
+        let mut m = Matches::new();
+        for b in [70, 500, 1023] {
+            store(b);
+        }
+        assert_eq!(idx.longest_matches(&keys, &every, 0, 0, &mut m), 3);
+        assert_eq!((m[70], m[500], m[1023], m[0]), (2, 2, 2, 0));
+        // Six engines store the same blocks: four lanes name four of them,
+        // the same four for both blocks; the others' removals are harmless.
+        for b in [1, 2, 3] {
+            store(b);
+        }
+        idx.longest_matches(&keys, &every, 0, 0, &mut m);
+        assert_eq!(m.holders().count(), LANES);
+        assert!(m.holders().all(|(_, n)| n == 2));
+        for b in [1, 2, 3, 70, 500, 1023] {
+            idx.clear_backend(b);
+        }
+        assert_eq!(idx.longest_matches(&keys, &every, 0, 0, &mut m), 0);
+        // The burst guard names backends past 64 too.
+        idx.guard(900, &keys, 10, 100);
+        idx.longest_matches(&keys, &every, 50, 100, &mut m);
+        assert_eq!(m[900], 2);
     }
 
     #[test]
@@ -380,11 +463,11 @@ mod tests {
         let mut keys = Vec::new();
         request_keys(chain_seed(None), &toks(32), 16, &[], &mut keys);
         idx.guard(0, &keys, 1000, 2000);
-        let mut m = [0; MAX_BACKENDS];
-        idx.longest_matches(&keys, 1, 2500, 2000, &mut m);
+        let mut m = Matches::new();
+        idx.longest_matches(&keys, &BackendSet::first(1), 2500, 2000, &mut m);
         assert_eq!(m[0], 2);
-        let mut m = [0; MAX_BACKENDS];
-        idx.longest_matches(&keys, 1, 3001, 2000, &mut m);
+        let mut m = Matches::new();
+        idx.longest_matches(&keys, &BackendSet::first(1), 3001, 2000, &mut m);
         assert_eq!(m[0], 0, "expired");
     }
 }

@@ -41,6 +41,7 @@ use tokenizer::Tokenizers;
 
 use crate::route::MAX_BACKENDS;
 use crate::route::index::{Matches, PrefixIndex};
+use crate::route::owners::BackendSet;
 
 /// Tuning of precise mode (`config::precise`, `[precise]`, documented there).
 #[derive(Clone, Copy, Debug)]
@@ -144,7 +145,7 @@ impl Precise {
     }
 
     /// Leading blocks of `keys` each backend in `candidates` holds.
-    pub fn matches(&self, keys: &[u64], candidates: u64, now_ms: u64, out: &mut Matches) {
+    pub fn matches(&self, keys: &[u64], candidates: &BackendSet, now_ms: u64, out: &mut Matches) {
         self.index
             .longest_matches(keys, candidates, now_ms as u32, self.settings.burst_ms, out);
     }

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::route::feedback::Feedback;
+use crate::route::owners::BackendSet;
 use crate::route::select::BackendLoad;
 use crate::route::slots::SlotCache;
 
@@ -423,9 +424,9 @@ impl Fleet {
         self.backends.iter().find(|b| b.slot == slot)
     }
 
-    /// Bitmask of the slots in the fleet.
-    pub fn slot_mask(&self) -> u64 {
-        self.backends.iter().fold(0, |m, b| m | 1 << b.slot)
+    /// The slots in the fleet.
+    pub fn slot_set(&self) -> BackendSet {
+        self.backends.iter().map(|b| b.slot).collect()
     }
 }
 

@@ -1,26 +1,38 @@
 //! The prefix index: which backend holds which prefix block.
 //!
 //! One table shared by every worker thread. Readers take no lock: a slot is
-//! three atomics (block hash, owner bitmask, referenced bitmask). Writers
+//! atomics (block hash, two words of owner lanes with their referenced bits,
+//! see `route::owners`, and who was sent it last). Writers
 //! serialise per backend on a small mutex that guards that backend's
 //! eviction ring. Each backend tracks at most its KV capacity in blocks and
 //! forgets its least recently used blocks first (CLOCK, an approximation of
 //! LRU: a block touched since it was queued gets a second chance), so the
 //! index forgets roughly what the engine itself evicts.
 //!
-//! Races between writers can leave a stale owner bit for a moment: the index
+//! A slot names at most [`OWNERS`] backends. When a ninth is sent the
+//! block, it takes the lane of an owner whose referenced bit is clear (not
+//! sent the block again since it was first, or since its ring's hand last
+//! passed it), else of any owner but the one sent it last: the least
+//! recently sent, as far as one bit per owner tells. The owner dropped keeps the hash in its ring, which forgets it
+//! when it reaches its front (it finds no lane there).
+//!
+//! Races between writers can leave a stale owner for a moment: the index
 //! is a routing hint, never a source of truth, so a wrong hint costs at most
 //! one cache miss.
 //!
-//! Memory: 32 bytes a slot, slots = 4/3 x the sum of capacities, plus 8
-//! bytes a ring entry: 32 * 4/3 + 8 = 50.7 bytes per tracked block when
-//! every backend is full (`memory_per_tracked_block` in the tests measures it).
+//! Memory: 32 bytes a slot whatever the fleet size, slots = 4/3 x the sum of
+//! capacities, plus 8 bytes a ring entry: 32 * 4/3 + 8 = 50.7 bytes per
+//! tracked block when every backend is full, plus 72 bytes per backend slot
+//! (72 KB for `MAX_BACKENDS`: 9 bytes a block on 8 backends of 1,024
+//! blocks, nothing on real capacities; `memory_per_tracked_block` and
+//! `memory_per_tracked_block_at_1024_backends` in the tests measure it).
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use crate::route::MAX_BACKENDS;
+use crate::route::owners::{self, Added, BackendSet, LANES};
 
 /// A block [`PrefixIndex::longest_matches_noting`] found no slot for.
 pub const NOT_FOUND: u32 = u32::MAX;
@@ -36,13 +48,99 @@ const PROBE: usize = 2 * BUCKET;
 /// Slots per bucket: 4 slots of 32 bytes are two cache lines.
 const BUCKET: usize = 4;
 
+/// Words of owner lanes a slot keeps: two, so a slot stays 32 bytes (two
+/// to a cache line's half) and names up to [`OWNERS`] backends.
+const OWNER_WORDS: usize = 2;
+
+/// Backends one block is tracked for at once (see the module's doc).
+pub const OWNERS: usize = OWNER_WORDS * LANES;
+
 struct Slot {
     key: AtomicU64,
-    owners: AtomicU64,
-    referenced: AtomicU64,
-    /// When the block was last sent, as `backend << 56 | that backend's
+    /// Who holds the block, with their referenced bits (`route::owners`).
+    owners: [AtomicU64; OWNER_WORDS],
+    /// When the block was last sent, as `backend << 48 | that backend's
     /// push count then` (see [`PrefixIndex::insert_aging`]); 0 = never.
     last_sent: AtomicU64,
+}
+
+impl Slot {
+    fn empty() -> Slot {
+        Slot {
+            key: AtomicU64::new(0),
+            owners: [AtomicU64::new(0), AtomicU64::new(0)],
+            last_sent: AtomicU64::new(0),
+        }
+    }
+
+    fn reset(&self) {
+        for w in &self.owners {
+            w.store(0, Relaxed);
+        }
+        self.last_sent.store(0, Relaxed);
+    }
+
+    /// The words of owner lanes, as one read sees them.
+    #[inline]
+    fn load(&self) -> [u64; OWNER_WORDS] {
+        [self.owners[0].load(Relaxed), self.owners[1].load(Relaxed)]
+    }
+
+    /// The word naming `backend`.
+    #[inline]
+    fn word_of(&self, backend: usize) -> Option<&AtomicU64> {
+        self.owners
+            .iter()
+            .find(|w| owners::position(w.load(Relaxed), backend).is_some())
+    }
+
+    fn owner_count(&self) -> u32 {
+        self.load().iter().map(|&w| owners::count(w)).sum()
+    }
+
+    /// Names `backend` as an owner; returns whether it was new and the
+    /// owner it replaced, if every lane was taken (see the module's doc).
+    fn add_owner(&self, backend: usize) -> (bool, Option<usize>) {
+        for w in &self.owners {
+            if owners::position(w.load(Relaxed), backend).is_some() {
+                return (false, None);
+            }
+        }
+        for w in &self.owners {
+            match owners::add(w, backend) {
+                Added::New => return (true, None),
+                Added::Held => return (false, None),
+                Added::Full => {}
+            }
+        }
+        let last = self.last_sent.load(Relaxed);
+        let last = (last != 0).then_some((last >> SENT_SHIFT) as usize);
+        // Unreferenced owners first, then any but the last sent. The scan
+        // starts at a lane the newcomer picks, so a stream of newcomers
+        // does not keep replacing one lane, and the blocks of one prompt
+        // (sent to the same backends in the same order) replace the same
+        // owner: a backend keeps or loses the prompt whole.
+        let start = (backend as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 61;
+        for want_unreferenced in [true, false] {
+            for i in 0..OWNERS {
+                let lane = (start as usize + i) % OWNERS;
+                let w = &self.owners[lane / LANES];
+                let word = w.load(Relaxed);
+                let Some((k, b)) = owners::each(word).find(|&(k, _)| k == lane % LANES) else {
+                    continue;
+                };
+                if Some(b) == last || (want_unreferenced && owners::referenced_at(word, k)) {
+                    continue;
+                }
+                if owners::replace(w, k, b, backend) {
+                    return (true, Some(b));
+                }
+            }
+        }
+        // Lost every race (writers of other backends took the lanes): the
+        // block goes untracked for it, a hint lost.
+        (false, None)
+    }
 }
 
 /// How many blocks ahead the walks ask the CPU for a block's slots. The
@@ -68,8 +166,9 @@ fn prefetch(slot: &Slot) {
     let _ = slot;
 }
 
-/// `Slot::last_sent` keeps the backend in its top byte.
-const SENT_SHIFT: u32 = 56;
+/// `Slot::last_sent` keeps the backend in its top 16 bits (the push count
+/// below: 2^48 blocks are years of traffic).
+const SENT_SHIFT: u32 = 48;
 const SENT_MASK: u64 = (1 << SENT_SHIFT) - 1;
 
 /// A block whose age is not known (not last sent to this backend).
@@ -96,21 +195,71 @@ pub struct PrefixIndex {
     tracked: AtomicUsize,
 }
 
-/// For each backend, how many leading blocks of a request it holds.
-pub type Matches = [u32; MAX_BACKENDS];
+/// For each backend, how many leading blocks of a request it holds: a
+/// table by slot (0 for most) and the list of slots written, so clearing
+/// it and finding the holders cost what the holders number, not the fleet.
+/// Reused across requests (a worker's scratch); the default is empty (no
+/// allocation) until the first [`Matches::clear`].
+#[derive(Default)]
+pub struct Matches {
+    by_slot: Vec<u32>,
+    written: Vec<u16>,
+}
+
+impl Matches {
+    /// Every backend at 0.
+    pub fn new() -> Matches {
+        let mut m = Matches::default();
+        m.clear();
+        m
+    }
+
+    /// Sets backend `b`'s match.
+    #[inline]
+    pub fn set(&mut self, b: usize, blocks: u32) {
+        // A slot set back to 0 and then again is listed twice: harmless.
+        if self.by_slot[b] == 0 && blocks != 0 {
+            self.written.push(b as u16);
+        }
+        self.by_slot[b] = blocks;
+    }
+
+    /// Every match back to 0.
+    pub fn clear(&mut self) {
+        if self.by_slot.is_empty() {
+            self.by_slot = vec![0; MAX_BACKENDS];
+        }
+        for &b in &self.written {
+            self.by_slot[usize::from(b)] = 0;
+        }
+        self.written.clear();
+    }
+
+    /// The backends with a match, and their blocks.
+    pub fn holders(&self) -> impl Iterator<Item = (usize, u32)> + '_ {
+        self.written
+            .iter()
+            .map(|&b| (usize::from(b), self.by_slot[usize::from(b)]))
+            .filter(|&(_, m)| m > 0)
+    }
+}
+
+impl std::ops::Deref for Matches {
+    type Target = [u32];
+    fn deref(&self) -> &[u32] {
+        &self.by_slot
+    }
+}
+
+/// Backends a lookup follows at once: those that hold one of the first
+/// `MAX_GAP + 1` blocks (a later one cannot start a match).
+const MAX_RUNS: usize = (MAX_GAP + 1) * OWNERS;
 
 impl PrefixIndex {
     /// An index sized for `total_capacity` tracked blocks over all backends.
     pub fn new(total_capacity: usize) -> Self {
         let n = total_capacity.max(1024) * 4 / 3;
-        let slots = (0..n)
-            .map(|_| Slot {
-                key: AtomicU64::new(0),
-                owners: AtomicU64::new(0),
-                referenced: AtomicU64::new(0),
-                last_sent: AtomicU64::new(0),
-            })
-            .collect();
+        let slots = (0..n).map(|_| Slot::empty()).collect();
         let rings = (0..MAX_BACKENDS)
             .map(|_| Mutex::new(Ring::default()))
             .collect();
@@ -136,32 +285,42 @@ impl PrefixIndex {
         self.ring_lens[backend].store(ring.blocks.len(), Relaxed);
     }
 
-    /// Writes into `out` how many leading blocks of `hashes` each backend
-    /// holds, for the backends in `candidates` (a bitmask); returns the mask
-    /// of backends that hold at least one of them.
-    pub fn longest_matches(&self, hashes: &[u64], candidates: u64, out: &mut Matches) -> u64 {
+    /// Writes into `out` (cleared first) how many leading blocks of
+    /// `hashes` each backend in `candidates` holds; returns how many
+    /// backends hold at least one of them.
+    pub fn longest_matches(
+        &self,
+        hashes: &[u64],
+        candidates: &BackendSet,
+        out: &mut Matches,
+    ) -> usize {
         self.longest_matches_noting(hashes, candidates, out, &mut Vec::new())
     }
 
     /// [`Self::longest_matches`], also noting in `found` (cleared first)
     /// the slot of each block it looked at (`NOT_FOUND` where none), so that
     /// [`Self::insert_noted`] need not probe for them again.
+    ///
+    /// Its cost follows the prompt's blocks and the backends holding them,
+    /// not the fleet: it follows the owners of the first blocks only.
     pub fn longest_matches_noting(
         &self,
         hashes: &[u64],
-        candidates: u64,
+        candidates: &BackendSet,
         out: &mut Matches,
         found: &mut Vec<u32>,
-    ) -> u64 {
+    ) -> usize {
         found.clear();
-        let mut alive = candidates;
-        let mut any = 0;
-        // Alive backends that lacked the last block, and the last two. A
-        // backend that holds a later block was sent these too (the hashes
-        // are chained): such a short run (slots displaced from a full
-        // window, re-claimed for another backend) is bridged; a run longer
-        // than `MAX_GAP` ends its match before the run.
-        let (mut lack1, mut lack2) = (0u64, 0u64);
+        out.clear();
+        // Each followed backend and the end of its match (one past the last
+        // block it holds). A backend that holds a later block was sent the
+        // blocks before it too (the hashes are chained): a run of up to
+        // `MAX_GAP` blocks it lacks (slots displaced from a full window,
+        // re-claimed for another backend) is bridged; a longer run ends its
+        // match before the run. So only owners of the first `MAX_GAP + 1`
+        // blocks can have a match.
+        let mut runs = [(0u16, 0u32); MAX_RUNS];
+        let mut n_runs = 0;
         for &h in hashes.iter().take(AHEAD) {
             self.prefetch_window(h);
         }
@@ -171,31 +330,39 @@ impl PrefixIndex {
             }
             let slot = self.find_index(h);
             found.push(slot.map_or(NOT_FOUND, |j| j as u32));
-            let owners = slot.map_or(0, |j| self.slots[j].owners.load(Relaxed));
-            any |= alive & owners;
-            let lacking = alive & !owners;
-            let ended = lacking & lack2;
-            for b in bits(ended) {
-                out[b] = (i - MAX_GAP) as u32;
+            let words = slot.map_or([0; OWNER_WORDS], |j| self.slots[j].load());
+            for &w in &words {
+                for (_, b) in owners::each(w) {
+                    if !candidates.contains(b) {
+                        continue;
+                    }
+                    match runs[..n_runs].iter_mut().find(|r| usize::from(r.0) == b) {
+                        // Held after a run short enough to bridge.
+                        Some(r) if i - r.1 as usize <= MAX_GAP => r.1 = i as u32 + 1,
+                        // Its match ended at a longer run.
+                        Some(_) => {}
+                        None if i <= MAX_GAP && n_runs < MAX_RUNS => {
+                            runs[n_runs] = (b as u16, i as u32 + 1);
+                            n_runs += 1;
+                        }
+                        None => {}
+                    }
+                }
             }
-            alive &= !ended;
-            lack2 = lacking & lack1 & alive;
-            lack1 = lacking & alive;
-            if alive == 0 {
-                return any;
+            // Past the first blocks, stop once no followed backend can
+            // bridge to the next block.
+            if i >= MAX_GAP
+                && runs[..n_runs]
+                    .iter()
+                    .all(|r| i + 1 - r.1 as usize > MAX_GAP)
+            {
+                break;
             }
         }
-        let n = hashes.len();
-        for b in bits(alive) {
-            out[b] = if lack2 & (1 << b) != 0 {
-                n - 2
-            } else if lack1 & (1 << b) != 0 {
-                n - 1
-            } else {
-                n
-            } as u32;
+        for &(b, end) in &runs[..n_runs] {
+            out.set(usize::from(b), end);
         }
-        any
+        n_runs
     }
 
     /// Records that `backend` now holds every block of `hashes` (it was sent
@@ -230,11 +397,10 @@ impl PrefixIndex {
         matched: u32,
         ages: &mut Vec<u64>,
     ) {
-        let bit = 1u64 << backend;
         ages.clear();
         let tag = (backend as u64) << SENT_SHIFT;
         let alloc = hashes.len().saturating_sub(matched as usize) as u64;
-        let end = self.pushed[backend].fetch_add(alloc, Relaxed) + alloc;
+        let end = (self.pushed[backend].fetch_add(alloc, Relaxed) + alloc) & SENT_MASK;
         let now = end - alloc;
         let age_of = |s: &Slot| {
             let sent = s.last_sent.load(Relaxed);
@@ -258,11 +424,12 @@ impl PrefixIndex {
                 .get(i)
                 .and_then(|&j| self.slots.get(j as usize))
                 .filter(|s| s.key.load(Relaxed) == h);
-            match noted.or_else(|| self.find(h)) {
-                Some(s) if s.owners.load(Relaxed) & bit != 0 => {
-                    if s.referenced.load(Relaxed) & bit == 0 {
-                        s.referenced.fetch_or(bit, Relaxed);
-                    }
+            match noted
+                .or_else(|| self.find(h))
+                .and_then(|s| Some((s, s.word_of(backend)?)))
+            {
+                Some((s, word)) => {
+                    owners::touch(word, backend);
                     ages.push(age_of(s));
                     s.last_sent.store(tag | end, Relaxed);
                 }
@@ -286,13 +453,16 @@ impl PrefixIndex {
         // the head, as engines evict (a prefix outlives its extensions).
         for (i, &h) in hashes.iter().enumerate().skip(first_new).rev() {
             let slot = self.find_or_claim(h);
-            let prev = slot.owners.fetch_or(bit, Relaxed);
-            if prev & bit == 0 {
+            let (new, replaced) = slot.add_owner(backend);
+            if new {
                 ring.blocks.push_back(h);
                 self.tracked.fetch_add(1, Relaxed);
-            } else {
+                if replaced.is_some() {
+                    self.evictions.fetch_add(1, Relaxed);
+                }
+            } else if let Some(word) = slot.word_of(backend) {
                 ages[i] = age_of(slot);
-                slot.referenced.fetch_or(bit, Relaxed);
+                owners::touch(word, backend);
             }
             slot.last_sent.store(tag | end, Relaxed);
         }
@@ -305,11 +475,10 @@ impl PrefixIndex {
         let mut ring = self.rings[backend]
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let bit = 1u64 << backend;
         while let Some(h) = ring.blocks.pop_front() {
             self.tracked.fetch_sub(1, Relaxed);
             if let Some(s) = self.find(h) {
-                self.drop_owner(s, h, bit);
+                self.drop_owner(s, h, backend);
             }
         }
         self.ring_lens[backend].store(0, Relaxed);
@@ -348,8 +517,11 @@ impl PrefixIndex {
         self.evictions.load(Relaxed)
     }
 
-    /// Bytes held by the table and the rings.
+    /// Bytes held by the table, the rings and the per-backend tables.
     pub fn memory_bytes(&self) -> usize {
+        let per_backend = std::mem::size_of::<Mutex<Ring>>()
+            + std::mem::size_of::<AtomicUsize>()
+            + std::mem::size_of::<AtomicU64>();
         let rings: usize = self
             .rings
             .iter()
@@ -361,7 +533,7 @@ impl PrefixIndex {
                     * 8
             })
             .sum();
-        self.slots.len() * std::mem::size_of::<Slot>() + rings
+        self.slots.len() * std::mem::size_of::<Slot>() + rings + per_backend * self.rings.len()
     }
 
     /// The homes of a key's two buckets of `BUCKET` slots, from independent
@@ -429,9 +601,7 @@ impl PrefixIndex {
                 if s.key.load(Relaxed) == 0
                     && s.key.compare_exchange(0, h, Relaxed, Relaxed).is_ok()
                 {
-                    s.owners.store(0, Relaxed);
-                    s.referenced.store(0, Relaxed);
-                    s.last_sent.store(0, Relaxed);
+                    s.reset();
                     return s;
                 }
             }
@@ -439,7 +609,7 @@ impl PrefixIndex {
         let mut victim = slot(0);
         let mut victim_owners = u32::MAX;
         for k in 0..PROBE {
-            let owners = slot(k).owners.load(Relaxed).count_ones();
+            let owners = slot(k).owner_count();
             if owners < victim_owners {
                 victim = slot(k);
                 victim_owners = owners;
@@ -449,22 +619,20 @@ impl PrefixIndex {
         // when it reaches their front (they find no slot for it).
         self.evictions.fetch_add(u64::from(victim_owners), Relaxed);
         victim.key.store(h, Relaxed);
-        victim.owners.store(0, Relaxed);
-        victim.referenced.store(0, Relaxed);
-        victim.last_sent.store(0, Relaxed);
+        victim.reset();
         victim
     }
 
-    fn drop_owner(&self, s: &Slot, h: u64, bit: u64) {
-        let left = s.owners.fetch_and(!bit, Relaxed) & !bit;
-        s.referenced.fetch_and(!bit, Relaxed);
-        if left == 0 {
+    fn drop_owner(&self, s: &Slot, h: u64, backend: usize) {
+        for w in &s.owners {
+            owners::remove(w, backend);
+        }
+        if s.owner_count() == 0 {
             let _ = s.key.compare_exchange(h, 0, Relaxed, Relaxed);
         }
     }
 
     fn evict_over(&self, backend: usize, ring: &mut Ring) {
-        let bit = 1u64 << backend;
         // Each block gets at most one second chance per sweep; past that
         // budget blocks are dropped whatever their bit says, so the loop ends
         // and the capacity holds even while readers keep touching blocks.
@@ -473,31 +641,19 @@ impl PrefixIndex {
             let Some(h) = ring.blocks.pop_front() else {
                 break;
             };
-            if let Some(s) = self.find(h).filter(|s| s.owners.load(Relaxed) & bit != 0) {
-                if second_chances > 0 && s.referenced.fetch_and(!bit, Relaxed) & bit != 0 {
+            if let Some((s, word)) = self.find(h).and_then(|s| Some((s, s.word_of(backend)?))) {
+                if second_chances > 0 && owners::take_referenced(word, backend) {
                     second_chances -= 1;
                     ring.blocks.push_back(h);
                     continue;
                 }
-                self.drop_owner(s, h, bit);
+                self.drop_owner(s, h, backend);
                 self.evictions.fetch_add(1, Relaxed);
             }
             // Else displaced from the table already: the entry was stale.
             self.tracked.fetch_sub(1, Relaxed);
         }
     }
-}
-
-/// The indices of the set bits of `mask`, lowest first.
-pub fn bits(mut mask: u64) -> impl Iterator<Item = usize> {
-    std::iter::from_fn(move || {
-        if mask == 0 {
-            return None;
-        }
-        let b = mask.trailing_zeros() as usize;
-        mask &= mask - 1;
-        Some(b)
-    })
 }
 
 #[cfg(test)]

@@ -18,6 +18,13 @@ pub struct EngineArgs {
     /// as `listening on ADDR` on stdout once ready).
     #[arg(long, default_value = "127.0.0.1:8000")]
     pub listen: String,
+    /// Serve this many engines, each with its own KV cache, on as many
+    /// ports of the --listen address (IP:PORT; consecutive from PORT, or
+    /// each picked by the OS when PORT is 0), each printing its own
+    /// `listening on ADDR` and identified by its address (or `ID-k`), so a
+    /// few processes stand for a fleet of hundreds. No KV events.
+    #[arg(long, default_value_t = 1)]
+    pub ports: u16,
     /// Instance id sent as the `x-engine-id` response header [default: the
     /// listen address].
     #[arg(long)]

@@ -66,7 +66,42 @@ pub async fn serve(args: EngineArgs) -> anyhow::Result<()> {
         );
         tokio::time::sleep(Duration::from_millis(args.refuse_connections_ms)).await;
     }
+    if args.ports > 1 {
+        anyhow::ensure!(
+            args.kv_events_port.is_none(),
+            "--ports serves engines without KV events"
+        );
+        let want: std::net::SocketAddr = args
+            .listen
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--ports needs --listen as IP:PORT: {e}"))?;
+        let mut engines = Vec::new();
+        for k in 0..args.ports {
+            let port = if want.port() == 0 {
+                0
+            } else {
+                want.port().saturating_add(k)
+            };
+            let listener = TcpListener::bind((want.ip(), port)).await?;
+            let mut one = args.clone();
+            one.ports = 1;
+            one.id = match &args.id {
+                Some(id) => Some(format!("{id}-{k}")),
+                None => Some(listener.local_addr()?.to_string()),
+            };
+            engines.push(tokio::spawn(serve_on(listener, one)));
+        }
+        for e in engines {
+            e.await??;
+        }
+        return Ok(());
+    }
     let listener = TcpListener::bind(&args.listen).await?;
+    serve_on(listener, args).await
+}
+
+/// Serves one engine on `listener` until the process ends.
+async fn serve_on(listener: TcpListener, args: EngineArgs) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
     let engine = Arc::new(Mutex::new(Engine::new(&args)));
     let wake = Arc::new(Notify::new());

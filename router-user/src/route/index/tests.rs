@@ -1,4 +1,5 @@
 use super::*;
+use crate::route::owners::{self, BackendSet};
 use proptest::prelude::*;
 
 /// Block hashes as the hasher makes them: uniformly spread, never 0.
@@ -17,10 +18,10 @@ fn longest_match_per_backend() {
     let req = chain(1, 10);
     idx.insert(0, &req[..4]);
     idx.insert(1, &req[..10]);
-    let mut m = [0; MAX_BACKENDS];
-    let any = idx.longest_matches(&req, 0b111, &mut m);
+    let mut m = Matches::new();
+    let any = idx.longest_matches(&req, &BackendSet::first(3), &mut m);
     assert_eq!(&m[..3], &[4, 10, 0]);
-    assert_eq!(any, 0b011);
+    assert_eq!(any, 2, "two backends hold some of it");
 }
 
 #[test]
@@ -32,10 +33,10 @@ fn capacity_is_held_and_the_oldest_prompt_goes_first() {
     idx.insert(0, &old);
     idx.insert(0, &new);
     assert_eq!(idx.len(0), 100);
-    let mut m = [0; MAX_BACKENDS];
-    idx.longest_matches(&new, 1, &mut m);
+    let mut m = Matches::new();
+    idx.longest_matches(&new, &BackendSet::first(1), &mut m);
     assert_eq!(m[0], 60, "the newest prompt is kept whole");
-    idx.longest_matches(&old, 1, &mut m);
+    idx.longest_matches(&old, &BackendSet::first(1), &mut m);
     assert_eq!(
         m[0], 40,
         "the oldest prompt lost its last 20 blocks, not its head"
@@ -51,8 +52,8 @@ fn touched_blocks_survive_eviction() {
     idx.insert(0, &chain(2, 40));
     idx.insert(0, &hot); // touch
     idx.insert(0, &chain(3, 40)); // over capacity by 20
-    let mut m = [0; MAX_BACKENDS];
-    idx.longest_matches(&hot, 1, &mut m);
+    let mut m = Matches::new();
+    idx.longest_matches(&hot, &BackendSet::first(1), &mut m);
     assert_eq!(m[0], 40);
 }
 
@@ -65,8 +66,8 @@ fn clearing_a_backend_forgets_only_it() {
     idx.insert(0, &req);
     idx.insert(1, &req);
     idx.clear_backend(0);
-    let mut m = [0; MAX_BACKENDS];
-    idx.longest_matches(&req, 0b11, &mut m);
+    let mut m = Matches::new();
+    idx.longest_matches(&req, &BackendSet::first(2), &mut m);
     assert_eq!(&m[..2], &[0, 20]);
     assert_eq!(idx.len(0), 0);
 }
@@ -102,8 +103,8 @@ proptest! {
             idx.insert(b, &req);
             sent[b].extend(req.iter().copied());
             prop_assert!(idx.len(b) <= caps[b]);
-            let mut m = [0; MAX_BACKENDS];
-            idx.longest_matches(&req, 0b111, &mut m);
+            let mut m = Matches::new();
+            idx.longest_matches(&req, &BackendSet::first(3), &mut m);
             for (x, held) in sent.iter().enumerate() {
                 let k = m[x] as usize;
                 prop_assert!(k <= n, "backend {} matched {} of {} blocks", x, k, n);
@@ -123,15 +124,15 @@ fn noted_slots_are_used_only_while_they_hold_their_block() {
     idx.set_capacity(1, 1000);
     let req = chain(9, 12);
     idx.insert(0, &req);
-    let mut m = [0; MAX_BACKENDS];
+    let mut m = Matches::new();
     let mut found = Vec::new();
-    idx.longest_matches_noting(&req, 0b11, &mut m, &mut found);
+    idx.longest_matches_noting(&req, &BackendSet::first(2), &mut m, &mut found);
     assert_eq!(found.len(), 12);
     assert!(found.iter().all(|&f| f != NOT_FOUND));
     // Stale notes (every slot pointing at the wrong place) are re-probed.
     let stale: Vec<u32> = found.iter().map(|&f| (f + 1) % 1000).collect();
     idx.insert_noted(1, &req, &stale);
-    idx.longest_matches(&req, 0b11, &mut m);
+    idx.longest_matches(&req, &BackendSet::first(2), &mut m);
     assert_eq!(&m[..2], &[12, 12]);
 }
 
@@ -155,11 +156,173 @@ fn a_long_prompt_is_matched_whole_in_a_roomy_table() {
         let req = chain(seed, 6_400);
         idx.insert(0, &req[..4_000]);
         idx.insert(3, &req);
-        let mut m = [0; MAX_BACKENDS];
-        idx.longest_matches(&req, 0b1001, &mut m);
+        let mut m = Matches::new();
+        idx.longest_matches(&req, &[0, 3].into_iter().collect(), &mut m);
         assert_eq!(m[3], 6_400, "seed {seed}: the match was cut");
         assert_eq!(m[0], 4_000, "seed {seed}");
         idx.clear_backend(0);
         idx.clear_backend(3);
+    }
+}
+
+#[test]
+fn backends_past_64_are_tracked_and_matched() {
+    let idx = PrefixIndex::new(10_000);
+    for b in [3, 64, 700, MAX_BACKENDS - 1] {
+        idx.set_capacity(b, 1000);
+    }
+    let req = chain(11, 10);
+    idx.insert(64, &req[..3]);
+    idx.insert(700, &req[..7]);
+    idx.insert(MAX_BACKENDS - 1, &req);
+    let mut m = Matches::new();
+    let every = BackendSet::first(MAX_BACKENDS);
+    assert_eq!(idx.longest_matches(&req, &every, &mut m), 3);
+    assert_eq!((m[3], m[64], m[700], m[MAX_BACKENDS - 1]), (0, 3, 7, 10));
+    let mut held: Vec<_> = m.holders().collect();
+    held.sort();
+    assert_eq!(held, [(64, 3), (700, 7), (MAX_BACKENDS - 1, 10)]);
+    // Backends not among the candidates are not reported.
+    idx.longest_matches(&req, &[700].into_iter().collect(), &mut m);
+    assert_eq!((m[64], m[700], m[MAX_BACKENDS - 1]), (0, 7, 0));
+    idx.clear_backend(700);
+    idx.longest_matches(&req, &every, &mut m);
+    assert_eq!(m[700], 0);
+    assert_eq!(m[MAX_BACKENDS - 1], 10);
+}
+
+#[test]
+fn a_block_sent_to_more_backends_than_lanes_keeps_the_recent_ones() {
+    // 12 backends are sent the same prompt in turn, backend 0 again between
+    // each of them (a busy conversation); each slot names at most `OWNERS`.
+    let idx = PrefixIndex::new(10_000);
+    let n = OWNERS + 4;
+    let id = |b: usize| b * 80;
+    for b in 0..n {
+        idx.set_capacity(id(b), 100);
+    }
+    let req = chain(21, 20);
+    for b in 0..n {
+        idx.insert(id(b), &req);
+        idx.insert(0, &req);
+    }
+    idx.insert(id(n - 1), &req);
+    let mut m = Matches::new();
+    let every = BackendSet::first(MAX_BACKENDS);
+    assert_eq!(idx.longest_matches(&req, &every, &mut m), OWNERS);
+    assert_eq!(m.holders().count(), OWNERS);
+    assert_eq!(m[0], 20, "the backend sent it all along keeps it");
+    assert_eq!(m[id(n - 1)], 20, "the backend sent it last holds it");
+    // Each slot is one block: the replaced owners were counted out.
+    assert!(idx.evictions() >= (20 * (n - OWNERS)) as u64);
+    // A replaced owner's ring drops its stale entries as it fills up.
+    let other = chain(22, 100);
+    for b in 0..n {
+        idx.insert(id(b), &other);
+        assert_eq!(idx.len(id(b)), 100, "backend {}", id(b));
+    }
+    assert_eq!(idx.total_tracked(), 100 * n);
+}
+
+#[test]
+fn a_short_run_of_lost_blocks_is_bridged_a_long_one_ends_the_match() {
+    let idx = PrefixIndex::new(10_000);
+    idx.set_capacity(0, 1000);
+    idx.set_capacity(900, 1000);
+    let req = chain(31, 20);
+    idx.insert(0, &req);
+    idx.insert(900, &req);
+    // Backend 0 loses blocks 5 and 6 (their slots re-claimed), backend 900
+    // blocks 5, 6 and 7.
+    for i in [5, 6] {
+        owners::remove(&idx.find(req[i]).unwrap().owners[0], 0);
+        owners::remove(&idx.find(req[i]).unwrap().owners[1], 0);
+    }
+    for i in [5, 6, 7] {
+        for w in &idx.find(req[i]).unwrap().owners {
+            owners::remove(w, 900);
+        }
+    }
+    let mut m = Matches::new();
+    idx.longest_matches(&req, &[0, 900].into_iter().collect(), &mut m);
+    assert_eq!(m[0], 20, "two blocks lost: bridged");
+    assert_eq!(m[900], 5, "three lost: the match ends before them");
+    // At the start too: lacking blocks 0 and 1 but holding 2 is a match.
+    for i in [0, 1] {
+        for w in &idx.find(req[i]).unwrap().owners {
+            owners::remove(w, 0);
+        }
+    }
+    idx.longest_matches(&req, &BackendSet::first(1), &mut m);
+    assert_eq!(m[0], 20);
+}
+
+#[test]
+fn memory_per_tracked_block_at_1024_backends() {
+    // 1,024 backends of 1,000 blocks each, every one full: the table and the
+    // rings cost what they cost at 4 backends, per block.
+    let cap = 1_000;
+    let idx = PrefixIndex::new(MAX_BACKENDS * cap);
+    for b in 0..MAX_BACKENDS {
+        idx.set_capacity(b, cap);
+        idx.insert(b, &chain(b as u64 + 10_000, cap));
+    }
+    assert_eq!(idx.total_tracked(), MAX_BACKENDS * cap);
+    let per_block = idx.memory_bytes() as f64 / idx.total_tracked() as f64;
+    println!("index memory at {MAX_BACKENDS} backends: {per_block:.1} bytes per tracked block");
+    assert!(per_block <= 64.0, "{per_block} bytes per tracked block");
+}
+
+/// The lookup's rule, the slow way: a backend's match ends after the last
+/// block it holds before its first run of more than `MAX_GAP` lacking ones.
+fn reference_match(held: &[bool]) -> u32 {
+    let (mut end, mut lacking) = (0, 0);
+    for (i, &h) in held.iter().enumerate() {
+        if h {
+            end = i + 1;
+            lacking = 0;
+        } else {
+            lacking += 1;
+            if lacking > MAX_GAP {
+                break;
+            }
+        }
+    }
+    end as u32
+}
+
+proptest! {
+    /// Whatever each backend holds of a prompt (at most `OWNERS` per block,
+    /// slots anywhere in 0..1024), the lookup reports the reference rule's
+    /// match for every candidate and nothing for the others.
+    #[test]
+    fn lookup_follows_the_gap_rule(
+        ids in proptest::collection::btree_set(0usize..MAX_BACKENDS, 1..8),
+        held in proptest::collection::vec(proptest::collection::vec(any::<bool>(), 8), 1..24),
+        skip in 0usize..8,
+    ) {
+        let ids: Vec<usize> = ids.into_iter().collect();
+        let idx = PrefixIndex::new(4096);
+        let req = chain(41, held.len());
+        for (i, row) in held.iter().enumerate() {
+            let s = idx.find_or_claim(req[i]);
+            for (j, &b) in ids.iter().enumerate() {
+                if row[j] {
+                    s.add_owner(b);
+                }
+            }
+        }
+        let candidates: BackendSet =
+            ids.iter().enumerate().filter(|&(j, _)| j != skip).map(|(_, &b)| b).collect();
+        let mut m = Matches::new();
+        idx.longest_matches(&req, &candidates, &mut m);
+        for (j, &b) in ids.iter().enumerate() {
+            let want = if j == skip {
+                0
+            } else {
+                reference_match(&held.iter().map(|r| r[j]).collect::<Vec<_>>())
+            };
+            prop_assert_eq!(m[b], want, "backend {} (column {})", b, j);
+        }
     }
 }
