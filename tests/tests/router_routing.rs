@@ -143,8 +143,11 @@ fn a_hot_system_prompt_is_spread_within_the_load_bound() {
         .collect();
     let mut loads: Vec<f64> = runs.iter().map(|s| s.load_max_mean_ratio).collect();
     loads.sort_by(f64::total_cmp);
+    println!("hot prompt: max/mean load per run {loads:?}");
+    // Medians of 11 runs here: 1.17-1.57 (two modes, about 1.2 and 1.5:
+    // one engine took the prompt first); piling onto one engine is 4.0.
     assert!(
-        loads[1] <= 1.6,
+        loads[1] <= 1.75,
         "max/mean load {:.2} (median of {loads:?})",
         loads[1]
     );
