@@ -225,3 +225,22 @@ pub fn raw_exchange(addr: SocketAddr, raw: &[u8], timeout: Duration) -> std::io:
     }
     Ok(out)
 }
+
+/// `POST /admin/explain?endpoint=ENDPOINT` with `body` on the admin
+/// listener `admin`: how the router would route it (asserts a 200).
+pub fn explain(admin: SocketAddr, endpoint: &str, body: &serde_json::Value) -> serde_json::Value {
+    let r = crate::http::post_json(admin, &format!("/admin/explain?endpoint={endpoint}"), body)
+        .expect("explain");
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()
+}
+
+/// Which index (`precise` or `approximate`) routing read for `url` in an
+/// explain answer; `?` when `url` is not in it.
+pub fn matched_on<'a>(ex: &'a serde_json::Value, url: &str) -> &'a str {
+    ex["matched_on"]
+        .as_array()
+        .and_then(|a| a.iter().find(|m| m["url"] == url))
+        .and_then(|m| m["index"].as_str())
+        .unwrap_or("?")
+}

@@ -5,7 +5,6 @@
 //! and comes back, the burst guard. Real processes, loopback only.
 
 use std::io::Write as _;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -14,7 +13,7 @@ use serde_json::{Value, json};
 use testkit::engine_proc::SimEngine;
 use testkit::http::post_json;
 use testkit::proc::free_port;
-use testkit::router_proc::Router;
+use testkit::router_proc::{Router, explain, matched_on};
 
 /// How long a state change may take to show on a loaded machine.
 const WAIT: Duration = Duration::from_secs(10);
@@ -93,23 +92,8 @@ impl Setup {
     }
 
     fn explain(&self, body: &Value) -> Value {
-        explain(self.router.admin, body)
+        explain(self.router.admin, "chat", body)
     }
-}
-
-fn explain(admin: SocketAddr, body: &Value) -> Value {
-    let r = post_json(admin, "/admin/explain?endpoint=chat", body).expect("explain");
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.json()
-}
-
-/// Which index routing read for `url` in an explain answer.
-fn matched_on<'a>(ex: &'a Value, url: &str) -> &'a str {
-    ex["matched_on"]
-        .as_array()
-        .and_then(|a| a.iter().find(|m| m["url"] == url))
-        .and_then(|m| m["index"].as_str())
-        .unwrap_or("?")
 }
 
 /// A chat of about 90 tokens (5 full blocks after the template).
@@ -512,7 +496,7 @@ fn router_replicas_see_what_the_others_sent() {
         s.send(&a);
         let deadline = Instant::now() + WAIT;
         let ex = loop {
-            let ex = explain(second.admin, &a);
+            let ex = explain(second.admin, "chat", &a);
             if ex["matched_blocks"] == ex["blocks"] || Instant::now() > deadline {
                 break ex;
             }

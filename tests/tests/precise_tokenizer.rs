@@ -6,7 +6,6 @@
 //! that holds the prompt. A router whose tokenizer is missing routes on the
 //! approximate index and keeps serving. Real processes, loopback only.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -14,7 +13,7 @@ use serde_json::{Value, json};
 use testkit::engine_proc::SimEngine;
 use testkit::http::post_json;
 use testkit::proc::free_port;
-use testkit::router_proc::Router;
+use testkit::router_proc::{Router, explain, matched_on};
 use testkit::tokenizer_fixture::words;
 
 /// How long a state change may take to show on a loaded machine.
@@ -77,22 +76,6 @@ fn router(backends: &str, engines: &[SimEngine], extra: &str) -> Router {
         );
     }
     r
-}
-
-fn explain(admin: SocketAddr, endpoint: &str, body: &Value) -> Value {
-    let r =
-        post_json(admin, &format!("/admin/explain?endpoint={endpoint}"), body).expect("explain");
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.json()
-}
-
-/// Which index routing read for `url` in an explain answer.
-fn matched_on<'a>(ex: &'a Value, url: &str) -> &'a str {
-    ex["matched_on"]
-        .as_array()
-        .and_then(|a| a.iter().find(|m| m["url"] == url))
-        .and_then(|m| m["index"].as_str())
-        .unwrap_or("?")
 }
 
 /// The engine's own token count of a `/tokenize` body.
