@@ -258,6 +258,12 @@ impl Router {
         format!("http://{}", self.addr)
     }
 
+    /// `GET /admin/backends`: each backend's state as JSON.
+    pub fn backends(&self) -> anyhow::Result<serde_json::Value> {
+        let r = testkit::http::request(self.admin, "GET", "/admin/backends", &[], b"")?;
+        Ok(serde_json::from_slice(&r.body)?)
+    }
+
     /// `GET /metrics` on the admin listener.
     pub fn metrics(&self) -> anyhow::Result<String> {
         let r = testkit::http::request(self.admin, "GET", "/metrics", &[], b"")?;

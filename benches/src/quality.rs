@@ -147,6 +147,55 @@ impl Front<'_> {
 /// A policy name ending so runs on the baseline build (see `run_one`).
 pub const BASELINE_SUFFIX: &str = "@baseline";
 
+/// Prints the capacity the router learned for each engine beside the real one.
+fn print_learned_capacity(r: &Router, qs: &QualityScenario) {
+    let Ok(v) = r.backends() else { return };
+    let learned: Vec<u64> = v
+        .get("backends")
+        .and_then(|b| b.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|b| b.get("learned_capacity_blocks")?.as_u64())
+        .collect();
+    eprintln!(
+        "  {}: learned capacity {learned:?} router blocks; each engine holds {} of its own 16-token blocks",
+        qs.name, qs.kv_blocks
+    );
+}
+
+/// A folder to write every run's per-request records into, as
+/// `<scenario>.<router>.jsonl` (for studying where hits were lost).
+pub const RECORDS_ENV: &str = "PREFIX_BENCH_RECORDS";
+
+fn write_records(
+    dir: &Path,
+    scenario: &str,
+    router: &str,
+    records: &[Record],
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let name: String = router
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let mut out = String::new();
+    for r in records {
+        out.push_str(&serde_json::to_string(r)?);
+        out.push('\n');
+    }
+    let path = dir.join(format!("{scenario}.{name}.jsonl"));
+    std::fs::write(&path, out).with_context(|| format!("writing {}", path.display()))
+}
+
+/// `policy+file.toml` runs the policy with that config file (see `run_one`).
+pub const CONFIG_SEPARATOR: char = '+';
+
 /// One row under one router on a fresh fleet.
 #[derive(Clone, Debug)]
 pub struct PolicyRun {
@@ -232,6 +281,12 @@ pub fn run_one(
     let router = match front {
         // `prefix@baseline`: the policy on another build of the router
         // (`overhead::BASELINE_ENV`), for a before/after in one run.
+        // `prefix+tuned.toml`: the policy with a config file (tuning runs).
+        Front::Policy(p) if p.contains(CONFIG_SEPARATOR) => {
+            let (policy, config) = p.split_once(CONFIG_SEPARATOR).unwrap_or((p, ""));
+            let args = ["--config".to_string(), config.to_string()];
+            Running::Ours(Router::start(bins, &engines, policy, &args)?)
+        }
         Front::Policy(p) => match p.strip_suffix(BASELINE_SUFFIX) {
             Some(policy) => {
                 let bin = std::env::var_os(crate::overhead::BASELINE_ENV).with_context(|| {
@@ -258,6 +313,9 @@ pub fn run_one(
     cfg.request_timeout = Duration::from_secs(60);
     let (records, mut summary) = testkit::workload::run_blocking(cfg)?;
     summary.scenario = qs.name.clone();
+    if let Some(dir) = std::env::var_os(RECORDS_ENV) {
+        write_records(Path::new(&dir), &qs.name, &front.name(), &records)?;
+    }
     let per_engine: Vec<u64> = engines
         .iter()
         .zip(&before)
@@ -266,6 +324,9 @@ pub fn run_one(
     // The engines' own counts: the same for every router, whatever
     // response headers it passes on.
     summary.load_max_mean_ratio = max_over_mean(&per_engine);
+    if let Running::Ours(r) = &router {
+        print_learned_capacity(r, qs);
+    }
     let routing = match &router {
         Running::Ours(r) => RoutingTime::parse(&r.metrics().unwrap_or_default()),
         Running::Peer(_) => RoutingTime::default(),

@@ -625,11 +625,21 @@ impl Router {
         }
         let slot = backend.slot;
         let pinned = backend.load.in_flight_blocks();
-        let held = usage.held_blocks(blocks.hashes.len() as u32);
+        let prompt_blocks = blocks.hashes.len() as u32;
+        let held = usage.held_blocks(prompt_blocks);
+        // The engine's cache takes the generated tokens too (the next turn
+        // finds them there): they count on its allocation clock, or the
+        // capacity learned in the clock's blocks comes out too small by
+        // the answers' share of what it computes.
+        let mut computed = usage.completion_blocks(prompt_blocks);
         if held < predicted {
             // It computed what it was predicted to hold: that is allocation too.
-            self.index.allocated(slot, u64::from(predicted - held));
+            computed += predicted - held;
+        } else if held > predicted {
+            // It held what the index counted as new when it was sent.
+            self.index.not_allocated(slot, u64::from(held - predicted));
         }
+        self.index.allocated(slot, u64::from(computed));
         match backend
             .feedback
             .observe(usage, predicted, &blocks.ages, pinned)

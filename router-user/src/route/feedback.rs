@@ -33,10 +33,14 @@ const CARRY: usize = 48;
 pub struct Usage {
     pub prompt_tokens: u32,
     pub cached_tokens: u32,
+    /// Tokens generated (0 when the answer did not say): their KV takes
+    /// the engine's cache as the prompt's does.
+    pub completion_tokens: u32,
 }
 
-/// Finds `"prompt_tokens": N` and `"cached_tokens": N` in a response as it
-/// streams by. Scans with memchr's SIMD search; a response's last values
+/// Finds `"prompt_tokens": N`, `"cached_tokens": N` and
+/// `"completion_tokens": N` in a response as it streams by. Scans with
+/// memchr's SIMD search for the keys' common end; a response's last values
 /// win (a stream's usage chunk comes last). A key split by chunked framing
 /// is missed: the answer then reports nothing, which costs only a sample.
 pub struct UsageScanner {
@@ -45,6 +49,7 @@ pub struct UsageScanner {
     carry_len: usize,
     prompt_tokens: Option<u32>,
     cached_tokens: Option<u32>,
+    completion_tokens: Option<u32>,
 }
 
 impl Default for UsageScanner {
@@ -54,6 +59,7 @@ impl Default for UsageScanner {
             carry_len: 0,
             prompt_tokens: None,
             cached_tokens: None,
+            completion_tokens: None,
         }
     }
 }
@@ -69,10 +75,32 @@ impl Usage {
         (u64::from(self.cached_tokens.min(self.prompt_tokens)) * u64::from(prompt_blocks)
             / u64::from(self.prompt_tokens)) as u32
     }
+
+    /// The generated tokens in router blocks, at the prompt's tokens per
+    /// block (the engine caches them as it caches the prompt).
+    pub fn completion_blocks(&self, prompt_blocks: u32) -> u32 {
+        if self.prompt_tokens == 0 {
+            return 0;
+        }
+        (u64::from(self.completion_tokens) * u64::from(prompt_blocks)
+            / u64::from(self.prompt_tokens))
+        .min(u64::from(u32::MAX)) as u32
+    }
 }
 
-const PROMPT_KEY: &[u8] = b"\"prompt_tokens\"";
-const CACHED_KEY: &[u8] = b"\"cached_tokens\"";
+/// The end every usage key shares; the scan looks for it and then at what
+/// precedes it.
+const KEY_END: &[u8] = b"_tokens\"";
+const PROMPT_KEY: &[u8] = b"\"prompt";
+const CACHED_KEY: &[u8] = b"\"cached";
+const COMPLETION_KEY: &[u8] = b"\"completion";
+
+/// One searcher for the whole process: building it per read showed in
+/// profiles.
+fn key_end_finder() -> &'static memmem::Finder<'static> {
+    static FINDER: std::sync::OnceLock<memmem::Finder<'static>> = std::sync::OnceLock::new();
+    FINDER.get_or_init(|| memmem::Finder::new(KEY_END))
+}
 
 impl UsageScanner {
     /// Scans the next bytes of the response.
@@ -106,21 +134,26 @@ impl UsageScanner {
         Some(Usage {
             prompt_tokens: self.prompt_tokens?,
             cached_tokens: self.cached_tokens?,
+            completion_tokens: self.completion_tokens.unwrap_or(0),
         })
     }
 
-    /// Scans `hay` for both keys; with `starts_before`, only keys starting
+    /// Scans `hay` for the keys; with `starts_before`, only keys starting
     /// before that offset (the carried part) count.
     fn scan(&mut self, hay: &[u8], starts_before: Option<usize>) {
-        for (key, slot) in [
-            (PROMPT_KEY, &mut self.prompt_tokens),
-            (CACHED_KEY, &mut self.cached_tokens),
-        ] {
-            for at in memmem::find_iter(hay, key) {
-                if starts_before.is_some_and(|s| at >= s) {
-                    break;
+        for end in key_end_finder().find_iter(hay) {
+            for (name, slot) in [
+                (PROMPT_KEY, &mut self.prompt_tokens),
+                (CACHED_KEY, &mut self.cached_tokens),
+                (COMPLETION_KEY, &mut self.completion_tokens),
+            ] {
+                let Some(start) = end.checked_sub(name.len()) else {
+                    continue;
+                };
+                if &hay[start..end] != name || starts_before.is_some_and(|s| start >= s) {
+                    continue;
                 }
-                if let Some(v) = number_after(&hay[at + key.len()..]) {
+                if let Some(v) = number_after(&hay[end + KEY_END.len()..]) {
                     *slot = Some(v);
                 }
             }
@@ -358,6 +391,7 @@ impl Feedback {
                 .filter(|&a| a != crate::route::index::AGE_UNKNOWN)
         };
         let cap = f64::from_bits(self.capacity.load(Relaxed));
+        let pinned = f64::from(pinned_blocks);
         if held > 0 {
             self.empty_in_row.store(0, Relaxed);
         }
@@ -369,7 +403,7 @@ impl Feedback {
             // An engine whose running requests hold much of its memory
             // evicts anything; only a calm engine's loss tells. And "recent"
             // needs a capacity to compare with: published, or learned.
-            let calm = f64::from(pinned_blocks) < FLUSH_AGE_SHARE * cap;
+            let calm = pinned < FLUSH_AGE_SHARE * cap;
             let trusted = self.known_capacity.load(Relaxed) > 0
                 || self.capacity_samples.load(Relaxed) >= FLUSH_MIN_SAMPLES;
             if held == 0
@@ -386,9 +420,11 @@ impl Feedback {
                 }
                 return Correction::None;
             }
-            // Evicted at this age: the capacity is below it.
+            // Evicted at this age: the capacity is below it. The running
+            // requests' blocks cannot be evicted, so the cache turned over
+            // only what they left free: the capacity is the age plus them.
             if let Some(a) = age(held + TOLERANCE_BLOCKS) {
-                self.learn_capacity(cap, a as f64, |a, c| a < c);
+                self.learn_capacity(cap, a as f64 + pinned, |a, c| a < c);
             }
         } else if predicted + TOLERANCE_BLOCKS < held {
             self.under_predictions.fetch_add(1, Relaxed);
@@ -397,7 +433,7 @@ impl Feedback {
         if held > TOLERANCE_BLOCKS
             && let Some(a) = age(held.min(predicted).saturating_sub(TOLERANCE_BLOCKS + 1))
         {
-            self.learn_capacity(cap, a as f64, |a, c| a > c);
+            self.learn_capacity(cap, a as f64 + pinned, |a, c| a > c);
         }
         Correction::None
     }
@@ -435,7 +471,8 @@ mod tests {
             u,
             Usage {
                 prompt_tokens: 1234,
-                cached_tokens: 1024
+                cached_tokens: 1024,
+                completion_tokens: 66
             }
         );
     }
@@ -448,7 +485,8 @@ mod tests {
                 u,
                 Some(Usage {
                     prompt_tokens: 1234,
-                    cached_tokens: 1024
+                    cached_tokens: 1024,
+                    completion_tokens: 66
                 }),
                 "cut at {cut}"
             );
@@ -463,7 +501,8 @@ mod tests {
             scan(&parts),
             Some(Usage {
                 prompt_tokens: 40,
-                cached_tokens: 32
+                cached_tokens: 32,
+                completion_tokens: 0
             })
         );
     }
@@ -486,7 +525,8 @@ mod tests {
             u,
             Some(Usage {
                 prompt_tokens: 9,
-                cached_tokens: 5
+                cached_tokens: 5,
+                completion_tokens: 0
             })
         );
     }
@@ -495,6 +535,7 @@ mod tests {
         Usage {
             prompt_tokens: 1600,
             cached_tokens: cached_of_1600,
+            completion_tokens: 0,
         }
     }
 
@@ -564,6 +605,7 @@ mod tests {
                 let u = Usage {
                     prompt_tokens: 1600,
                     cached_tokens: held * 16,
+                    completion_tokens: 0,
                 };
                 f.observe(u, 100, &a, 0);
             }
@@ -573,6 +615,32 @@ mod tests {
                 "from {start}: learned {c}, real {real}"
             );
         }
+    }
+
+    #[test]
+    fn running_requests_blocks_count_toward_the_capacity() {
+        // An LRU engine of 1,500 blocks whose running requests hold 600 of
+        // them: what it keeps turns over after 900 new blocks, and the
+        // capacity is still 1,500 (the index tracks the running prompts too).
+        let (real, pinned) = (1500u64, 600u64);
+        let f = Feedback::new(65_536);
+        let mut rng = 99u64;
+        for _ in 0..400 {
+            rng = crate::route::select::mix(rng);
+            let a = ages(rng % 3000);
+            let held = a.iter().take_while(|&&x| x < real - pinned).count() as u32;
+            let u = Usage {
+                prompt_tokens: 1600,
+                cached_tokens: held * 16,
+                completion_tokens: 0,
+            };
+            f.observe(u, 100, &a, pinned as u32);
+        }
+        let c = f.capacity() as f64;
+        assert!(
+            (c - real as f64).abs() < 0.25 * real as f64,
+            "learned {c}, real {real}"
+        );
     }
 
     #[test]

@@ -383,6 +383,13 @@ impl PrefixIndex {
         self.pushed[backend].fetch_add(n, Relaxed);
     }
 
+    /// `backend` already held `n` blocks the index counted as new when it
+    /// was sent them (an answer said so: the previous answer's tokens, or
+    /// another router's traffic): they come off its allocation clock.
+    pub fn not_allocated(&self, backend: usize, n: u64) {
+        let _ = self.pushed[backend].fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(n)));
+    }
+
     /// [`Self::insert_noted`] for a prompt whose first `matched` blocks the
     /// backend was predicted to hold, also writing into `ages` (cleared
     /// first) each block's age before this send: blocks the backend computed
