@@ -24,6 +24,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering:
 
 use memchr::memmem;
 
+use crate::route::index::{AGE_STRIDE, AGE_UNKNOWN};
+
 /// Bytes kept from the end of one read so a key split across two reads is
 /// still found: a key (15 bytes), a colon, spaces and a 10-digit number.
 const CARRY: usize = 48;
@@ -332,7 +334,8 @@ impl Feedback {
 
     /// Compares a report with the prediction. `ages[i]` is block `i`'s age
     /// when the request was sent (new blocks this backend was sent since it
-    /// last was sent block `i`; `index::AGE_UNKNOWN` when not known).
+    /// last was sent block `i`; `index::AGE_UNKNOWN` when not known, as
+    /// for the blocks between two anchors of a long prompt).
     /// `pinned_blocks`: prompt blocks of the backend's requests in flight.
     pub fn observe(
         &self,
@@ -352,11 +355,17 @@ impl Feedback {
         self.reported_blocks.fetch_add(u64::from(held), Relaxed);
         self.error_blocks
             .fetch_add(u64::from(predicted.abs_diff(held)), Relaxed);
-        let age = |i: u32| {
-            ages.get(i as usize)
-                .copied()
-                .filter(|&a| a != crate::route::index::AGE_UNKNOWN)
-        };
+        // Past a long prompt's head only anchors have ages
+        // (`index::is_anchor`): where block `i`'s is not known, the nearest
+        // known one within `AGE_STRIDE` on the side that cannot mislead is
+        // read. The hashes are chained, so a send of a block was a send of
+        // every block before it: an earlier block is at most as old, a
+        // later one at least as old. An eviction reads the next known age
+        // (the capacity is below that too), a kept block the previous one
+        // (it is at least that). With every age known this is block `i`'s.
+        let known = |i: usize| ages.get(i).copied().filter(|&a| a != AGE_UNKNOWN);
+        let age_at_least = |i: u32| (i as usize..i as usize + AGE_STRIDE).find_map(known);
+        let age_at_most = |i: u32| (0..=i as usize).rev().take(AGE_STRIDE).find_map(known);
         let cap = f64::from_bits(self.capacity.load(Relaxed));
         if held > 0 {
             self.empty_in_row.store(0, Relaxed);
@@ -376,7 +385,7 @@ impl Feedback {
                 && predicted >= FLUSH_MIN_BLOCKS
                 && calm
                 && trusted
-                && age(0).is_some_and(|a| (a as f64) < FLUSH_AGE_SHARE * cap)
+                && known(0).is_some_and(|a| (a as f64) < FLUSH_AGE_SHARE * cap)
             {
                 // A recent prompt lost whole says nothing of the capacity.
                 if self.empty_in_row.fetch_add(1, Relaxed) + 1 >= FLUSH_REPORTS {
@@ -387,7 +396,7 @@ impl Feedback {
                 return Correction::None;
             }
             // Evicted at this age: the capacity is below it.
-            if let Some(a) = age(held + TOLERANCE_BLOCKS) {
+            if let Some(a) = age_at_least(held + TOLERANCE_BLOCKS) {
                 self.learn_capacity(cap, a as f64, |a, c| a < c);
             }
         } else if predicted + TOLERANCE_BLOCKS < held {
@@ -395,7 +404,7 @@ impl Feedback {
         }
         // Kept at this age: the capacity is at least it.
         if held > TOLERANCE_BLOCKS
-            && let Some(a) = age(held.min(predicted).saturating_sub(TOLERANCE_BLOCKS + 1))
+            && let Some(a) = age_at_most(held.min(predicted).saturating_sub(TOLERANCE_BLOCKS + 1))
         {
             self.learn_capacity(cap, a as f64, |a, c| a > c);
         }
@@ -573,6 +582,42 @@ mod tests {
                 "from {start}: learned {c}, real {real}"
             );
         }
+    }
+
+    #[test]
+    fn sparse_ages_are_read_on_the_side_that_cannot_mislead() {
+        // A long prompt's ages past its head: one known in `AGE_STRIDE`,
+        // growing along the prompt. The engine held 100 of 200 blocks.
+        let ages: Vec<u64> = (0..200u64)
+            .map(|i| {
+                if (i as usize).is_multiple_of(AGE_STRIDE) {
+                    5_000 + i
+                } else {
+                    AGE_UNKNOWN
+                }
+            })
+            .collect();
+        let held_100 = Usage {
+            prompt_tokens: 3_200,
+            cached_tokens: 1_600,
+        };
+        // Evicted at block 102: the next known age (block 128's, older)
+        // bounds it from above, so the capacity moves toward 5,128, not
+        // toward block 96's 5,096.
+        let f = Feedback::new(65_536);
+        f.observe(held_100, 200, &ages, 0);
+        let want = 65_536.0 + CAPACITY_STEP * (5_128.0 - 65_536.0);
+        assert_eq!(f.capacity(), want as usize);
+        // Kept up to block 97: the previous known age (block 96's,
+        // younger) bounds it from below.
+        let f = Feedback::new(1_000);
+        f.observe(held_100, 100, &ages, 0);
+        let want = 1_000.0 + CAPACITY_STEP * (5_096.0 - 1_000.0);
+        assert_eq!(f.capacity(), want as usize);
+        // No known age within reach: nothing is learned.
+        let f = Feedback::new(1_000);
+        f.observe(held_100, 100, &[AGE_UNKNOWN; 200], 0);
+        assert_eq!(f.capacity(), 1_000);
     }
 
     #[test]

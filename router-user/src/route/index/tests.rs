@@ -326,3 +326,227 @@ proptest! {
         }
     }
 }
+
+/// Prompts that share prefixes as conversations and documents do: each
+/// is a prefix of an earlier one (at a random cut) followed by new blocks,
+/// every block's hash unique to its prefix (the hashes are chained).
+fn prompt_tree(shape: &[(usize, usize, usize)]) -> Vec<Vec<u64>> {
+    let mut prompts: Vec<Vec<u64>> = Vec::new();
+    for (k, &(parent, cut, fresh)) in shape.iter().enumerate() {
+        let mut p = match prompts.len() {
+            0 => Vec::new(),
+            n => {
+                let parent = &prompts[parent % n];
+                parent[..cut % (parent.len() + 1)].to_vec()
+            }
+        };
+        p.extend(chain(7_000 + k as u64, fresh));
+        prompts.push(p);
+    }
+    prompts
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// On an index without displacement (a roomy table, rings within
+    /// capacity, at most `OWNERS` backends a block), the search from the
+    /// end returns the walk's matches exactly, whatever the prompts, their
+    /// shared prefixes, which backends were sent which prefix of them, the
+    /// candidates, and the prompt's length (the walk is the oracle, the
+    /// one `LINEAR_MAX` keeps for short prompts).
+    #[test]
+    fn search_matches_the_walk(
+        shape in proptest::collection::vec((0usize..8, 0usize..400, 1usize..300), 1..8),
+        sends in proptest::collection::vec((0usize..6, 0usize..8, 0usize..600), 0..16),
+        queries in proptest::collection::vec((0usize..8, 0usize..600, 0usize..40), 1..6),
+        candidates in proptest::collection::btree_set(0usize..6, 0..6),
+    ) {
+        let prompts = prompt_tree(&shape);
+        let ids = [0usize, 1, 63, 64, 700, MAX_BACKENDS - 1];
+        let idx = PrefixIndex::new(1 << 16);
+        for &b in &ids {
+            idx.set_capacity(b, 1 << 14);
+        }
+        for &(b, p, len) in &sends {
+            let p = &prompts[p % prompts.len()];
+            idx.insert(ids[b], &p[..len % (p.len() + 1)]);
+        }
+        prop_assert_eq!(idx.evictions(), 0, "the index displaced nothing");
+        let candidates: BackendSet = candidates.into_iter().map(|j| ids[j]).collect();
+        let (mut want, mut got) = (Matches::new(), Matches::new());
+        let (mut found_want, mut found_got) = (Vec::new(), Vec::new());
+        for &(p, len, extra) in &queries {
+            // A prefix of a known prompt, then blocks nobody was sent.
+            let p = &prompts[p % prompts.len()];
+            let mut q = p[..len % (p.len() + 1)].to_vec();
+            q.extend(chain(99_000 + len as u64, extra));
+            if q.is_empty() {
+                continue;
+            }
+            let n_want = idx.walk_matches(&q, &candidates, &mut want, &mut found_want);
+            let n_got = idx.search_matches(&q, &candidates, &mut got, &mut found_got);
+            prop_assert_eq!(n_got, n_want);
+            for &b in &ids {
+                prop_assert_eq!(got[b], want[b], "backend {} on {} blocks", b, q.len());
+            }
+            prop_assert_eq!(&found_got[..], &found_want[..found_got.len()]);
+        }
+    }
+
+    /// With holes of any length (blocks displaced, lanes lost), the search
+    /// on a long prompt ends one past a block the backend holds, followed
+    /// by more than `MAX_GAP` it lacks or the prompt's end, and never
+    /// before the walk's end.
+    #[test]
+    fn search_ends_after_a_held_block_and_not_before_the_walk(
+        len in (LINEAR_MAX + 1)..400usize,
+        holes in proptest::collection::vec((0usize..400, 1usize..40, 0usize..3), 0..8),
+        ends in proptest::collection::vec(0usize..400, 3),
+    ) {
+        let ids = [5usize, 64, 1000];
+        let idx = PrefixIndex::new(4096);
+        let req = chain(43, len);
+        // Backend j holds a prefix of `ends[j]` blocks, less its holes.
+        let mut held = vec![vec![false; len]; ids.len()];
+        for (j, row) in held.iter_mut().enumerate() {
+            for x in row.iter_mut().take(ends[j] % (len + 1)) {
+                *x = true;
+            }
+        }
+        for &(at, n, j) in &holes {
+            for x in held[j].iter_mut().skip(at % len).take(n) {
+                *x = false;
+            }
+        }
+        for (i, &h) in req.iter().enumerate() {
+            let s = idx.find_or_claim(h);
+            for (j, &b) in ids.iter().enumerate() {
+                if held[j][i] {
+                    s.add_owner(b);
+                }
+            }
+        }
+        let every = BackendSet::first(MAX_BACKENDS);
+        let (mut walk, mut search) = (Matches::new(), Matches::new());
+        idx.walk_matches(&req, &every, &mut walk, &mut Vec::new());
+        idx.search_matches(&req, &every, &mut search, &mut Vec::new());
+        for (j, &b) in ids.iter().enumerate() {
+            let e = search[b] as usize;
+            prop_assert!(e >= walk[b] as usize, "backend {}: {} before the walk's {}", b, e, walk[b]);
+            if walk[b] == 0 {
+                prop_assert_eq!(e, 0);
+            }
+            if e > 0 {
+                prop_assert!(held[j][e - 1], "backend {}: ends after block {} it lacks", b, e - 1);
+                prop_assert!(held[j][e..len.min(e + MAX_GAP + 1)].iter().all(|&x| !x),
+                    "backend {}: ends at {} before a block it holds within the gap", b, e);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_held_long_prompt_is_learned_by_its_anchors() {
+    // A 400 KB document, sent twice to one backend with 100 blocks of
+    // other work between: the second send stamps the anchors only, whose
+    // ages say 100, and leaves the ring as it was.
+    let idx = PrefixIndex::new(100_000);
+    idx.set_capacity(2, 20_000);
+    let doc = chain(51, 6_400);
+    let mut ages = Vec::new();
+    idx.insert_aging(2, &doc, &[], 0, &mut ages);
+    assert_eq!(ages.len(), 6_400);
+    assert!(ages.iter().all(|&a| a == AGE_UNKNOWN), "never sent before");
+    idx.allocated(2, 100);
+    let stamp = |i: usize| idx.find(doc[i]).unwrap().last_sent.load(Relaxed) & SENT_MASK;
+    let before = stamp(6_399);
+    let mut m = Matches::new();
+    let mut found = Vec::new();
+    idx.longest_matches_noting(&doc, &BackendSet::first(3), &mut m, &mut found);
+    assert_eq!(m[2], 6_400);
+    assert!(
+        found.len() <= MAX_GAP + 1,
+        "the lookup walked {} blocks",
+        found.len()
+    );
+    idx.insert_aging(2, &doc, &found, m[2], &mut ages);
+    assert_eq!(ages.len(), 6_400);
+    for (i, &a) in ages.iter().enumerate() {
+        if is_anchor(i) {
+            assert_eq!(a, 100, "anchor {i}");
+        } else {
+            assert_eq!(a, AGE_UNKNOWN, "block {i}");
+        }
+    }
+    assert_eq!(
+        stamp(6_399),
+        before,
+        "a block between anchors was not written"
+    );
+    assert_eq!(stamp(6_368), before + 100, "an anchor was stamped");
+    assert_eq!(idx.len(2), 6_400);
+}
+
+#[test]
+fn a_long_hot_prompt_outlives_colder_ones_by_its_anchors() {
+    // `touched_blocks_survive_eviction` on prompts past `LINEAR_MAX`: the
+    // hot one is sent again (its anchors touched), then the ring overflows
+    // by 200 blocks: the cold prompt loses its tail, the hot one nothing.
+    let idx = PrefixIndex::new(10_000);
+    idx.set_capacity(0, 1_000);
+    let hot = chain(61, 400);
+    let cold = chain(62, 400);
+    idx.insert(0, &hot);
+    idx.insert(0, &cold);
+    idx.insert(0, &hot);
+    idx.insert(0, &chain(63, 400));
+    assert_eq!(idx.len(0), 1_000);
+    let mut m = Matches::new();
+    idx.longest_matches(&hot, &BackendSet::first(1), &mut m);
+    assert_eq!(m[0], 400, "the hot prompt is kept whole");
+    idx.longest_matches(&cold, &BackendSet::first(1), &mut m);
+    assert_eq!(m[0], 200, "the cold one lost its tail");
+}
+
+#[test]
+fn blocks_queued_after_their_anchor_keep_up_with_it() {
+    // A conversation's turns end between anchors: each turn queues blocks
+    // after the anchor the previous turn queued. Sent again and again
+    // while other prompts stream through, it stays whole.
+    let idx = PrefixIndex::new(20_000);
+    idx.set_capacity(0, 2_000);
+    let conv = chain(71, 700);
+    for turn in [100, 210, 330, 450, 700] {
+        idx.insert(0, &conv[..turn]);
+    }
+    for k in 0..30 {
+        idx.insert(0, &conv);
+        idx.insert(0, &chain(1_000 + k, 300));
+    }
+    let mut m = Matches::new();
+    idx.longest_matches(&conv, &BackendSet::first(1), &mut m);
+    assert_eq!(m[0], 700);
+    assert!(idx.len(0) <= 2_000);
+    // Every block of it is still tracked, not only what the search sees.
+    let held = conv
+        .iter()
+        .filter(|&&h| idx.find(h).and_then(|s| s.word_of(0)).is_some())
+        .count();
+    assert_eq!(held, 700);
+}
+
+#[test]
+fn a_lost_anchor_is_learned_again() {
+    let idx = PrefixIndex::new(10_000);
+    idx.set_capacity(4, 1_000);
+    let doc = chain(81, 300);
+    idx.insert(4, &doc);
+    for w in &idx.find(doc[128]).unwrap().owners {
+        owners::remove(w, 4);
+    }
+    let mut ages = Vec::new();
+    idx.insert_aging(4, &doc, &[], 300, &mut ages);
+    assert!(idx.find(doc[128]).unwrap().word_of(4).is_some());
+    assert!(ages[128] == AGE_UNKNOWN && ages[96] == 0);
+}
