@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering:
 
 use memchr::memmem;
 
-use crate::route::index::{AGE_STRIDE, AGE_UNKNOWN};
+use crate::route::index::{AGE_UNKNOWN, anchor_after, anchor_of};
 
 /// Bytes kept from the end of one read so a key split across two reads is
 /// still found: a key (15 bytes), a colon, spaces and a 10-digit number.
@@ -356,16 +356,17 @@ impl Feedback {
         self.error_blocks
             .fetch_add(u64::from(predicted.abs_diff(held)), Relaxed);
         // Past a long prompt's head only anchors have ages
-        // (`index::is_anchor`): where block `i`'s is not known, the nearest
-        // known one within `AGE_STRIDE` on the side that cannot mislead is
-        // read. The hashes are chained, so a send of a block was a send of
-        // every block before it: an earlier block is at most as old, a
-        // later one at least as old. An eviction reads the next known age
-        // (the capacity is below that too), a kept block the previous one
-        // (it is at least that). With every age known this is block `i`'s.
+        // (`index::is_anchor`), and a block between two reads one of them,
+        // on the side that cannot mislead. The hashes are chained, so a send
+        // of a block was a send of every block before it: the anchor before
+        // it is at most as old, the one after it at least as old. An
+        // eviction reads the anchor after (the capacity is below that too),
+        // a kept block the anchor before (it is at least that). An
+        // anchor's own age, as every block's of a prompt's head, is read as
+        // it is.
         let known = |i: usize| ages.get(i).copied().filter(|&a| a != AGE_UNKNOWN);
-        let age_at_least = |i: u32| (i as usize..i as usize + AGE_STRIDE).find_map(known);
-        let age_at_most = |i: u32| (0..=i as usize).rev().take(AGE_STRIDE).find_map(known);
+        let age_at_least = |i: u32| known(anchor_after(i as usize));
+        let age_at_most = |i: u32| known(anchor_of(i as usize));
         let cap = f64::from_bits(self.capacity.load(Relaxed));
         if held > 0 {
             self.empty_in_row.store(0, Relaxed);
@@ -586,37 +587,40 @@ mod tests {
 
     #[test]
     fn sparse_ages_are_read_on_the_side_that_cannot_mislead() {
-        // A long prompt's ages past its head: one known in `AGE_STRIDE`,
-        // growing along the prompt. The engine held 100 of 200 blocks.
-        let ages: Vec<u64> = (0..200u64)
+        // A long prompt's ages as the index gives them: known at anchors
+        // only past its head, growing along the prompt. The engine held 600
+        // of 800 blocks.
+        use crate::route::index::is_anchor;
+        let ages: Vec<u64> = (0..800u64)
             .map(|i| {
-                if (i as usize).is_multiple_of(AGE_STRIDE) {
+                if is_anchor(i as usize) {
                     5_000 + i
                 } else {
                     AGE_UNKNOWN
                 }
             })
             .collect();
-        let held_100 = Usage {
-            prompt_tokens: 3_200,
-            cached_tokens: 1_600,
+        assert!(!is_anchor(602) && is_anchor(608) && is_anchor(576) && !is_anchor(597));
+        let held_600 = Usage {
+            prompt_tokens: 12_800,
+            cached_tokens: 9_600,
         };
-        // Evicted at block 102: the next known age (block 128's, older)
-        // bounds it from above, so the capacity moves toward 5,128, not
-        // toward block 96's 5,096.
+        // Evicted at block 602: the anchor after it (608, older) bounds its
+        // age from above, so the capacity moves toward 5,608.
         let f = Feedback::new(65_536);
-        f.observe(held_100, 200, &ages, 0);
-        let want = 65_536.0 + CAPACITY_STEP * (5_128.0 - 65_536.0);
+        f.observe(held_600, 800, &ages, 0);
+        let want = 65_536.0 + CAPACITY_STEP * (5_608.0 - 65_536.0);
         assert_eq!(f.capacity(), want as usize);
-        // Kept up to block 97: the previous known age (block 96's,
-        // younger) bounds it from below.
+        // Kept up to block 597: the anchor before it (576, younger) bounds
+        // it from below.
         let f = Feedback::new(1_000);
-        f.observe(held_100, 100, &ages, 0);
-        let want = 1_000.0 + CAPACITY_STEP * (5_096.0 - 1_000.0);
+        f.observe(held_600, 600, &ages, 0);
+        let want = 1_000.0 + CAPACITY_STEP * (5_576.0 - 1_000.0);
         assert_eq!(f.capacity(), want as usize);
-        // No known age within reach: nothing is learned.
+        // The anchor's age unknown (another backend was sent it since):
+        // nothing is learned.
         let f = Feedback::new(1_000);
-        f.observe(held_100, 100, &[AGE_UNKNOWN; 200], 0);
+        f.observe(held_600, 600, &[AGE_UNKNOWN; 800], 0);
         assert_eq!(f.capacity(), 1_000);
     }
 

@@ -185,7 +185,7 @@ pub const AGE_UNKNOWN: u64 = u64::MAX;
 /// Blocks of a prompt's head that are all anchors: the bookkeeping of a
 /// prompt's first 4 KB (a chat's system prompt and first turns, the whole
 /// of most chats) is exact, block by block.
-const DENSE_BLOCKS: usize = 64;
+const DENSE_BLOCKS: usize = 512;
 
 /// Past [`DENSE_BLOCKS`], one block in this many is an anchor (2 KB, about
 /// 500 tokens): learning a long prompt the backend held touches and
@@ -210,7 +210,7 @@ pub fn is_anchor(i: usize) -> bool {
 /// The anchor whose recency block `i` takes: itself, or the last anchor
 /// before it.
 #[inline]
-fn anchor_of(i: usize) -> usize {
+pub fn anchor_of(i: usize) -> usize {
     if is_anchor(i) {
         i
     } else {
@@ -218,9 +218,15 @@ fn anchor_of(i: usize) -> usize {
     }
 }
 
-/// How far apart anchors are at most: the closed loop looks that far for
-/// a known age (`feedback`).
-pub const AGE_STRIDE: usize = ANCHOR_STRIDE;
+/// Block `i` if it is an anchor, else the first anchor after it.
+#[inline]
+pub fn anchor_after(i: usize) -> usize {
+    if is_anchor(i) {
+        i
+    } else {
+        anchor_of(i) + ANCHOR_STRIDE
+    }
+}
 
 /// One backend's blocks in the order they were first tracked, each with
 /// the hash of its anchor ([`anchor_of`]; its own for an anchor). A long
@@ -789,8 +795,8 @@ impl PrefixIndex {
         // budget blocks are dropped whatever their bit says, so the loop ends
         // and the capacity holds even while readers keep touching blocks.
         let mut second_chances = ring.blocks.len();
-        // The last anchor read and its bit: the blocks of one anchor are
-        // queued together.
+        // The last anchor read, its bit and its stamp: the blocks of one
+        // anchor are queued together.
         let mut anchor = (0u64, false, 0u64);
         while ring.blocks.len() > ring.capacity {
             let Some([h, a]) = ring.blocks.pop_front() else {

@@ -490,21 +490,23 @@ fn a_held_long_prompt_is_learned_by_its_anchors() {
 
 #[test]
 fn a_long_hot_prompt_outlives_colder_ones_by_its_anchors() {
-    // `touched_blocks_survive_eviction` on prompts past `LINEAR_MAX`: the
-    // hot one is sent again (its anchors touched), then the ring overflows
-    // by 200 blocks: the cold prompt loses its tail, the hot one nothing.
-    let idx = PrefixIndex::new(10_000);
-    idx.set_capacity(0, 1_000);
-    let hot = chain(61, 400);
-    let cold = chain(62, 400);
+    // `touched_blocks_survive_eviction` on prompts with blocks past
+    // `DENSE_BLOCKS`: the hot one is sent again (its anchors touched),
+    // then the ring overflows: the cold prompt loses all but its first 200
+    // blocks, the hot one nothing.
+    let len = DENSE_BLOCKS + 400;
+    let idx = PrefixIndex::new(20_000);
+    idx.set_capacity(0, 2 * len + 200);
+    let hot = chain(61, len);
+    let cold = chain(62, len);
     idx.insert(0, &hot);
     idx.insert(0, &cold);
     idx.insert(0, &hot);
-    idx.insert(0, &chain(63, 400));
-    assert_eq!(idx.len(0), 1_000);
+    idx.insert(0, &chain(63, len));
+    assert_eq!(idx.len(0), 2 * len + 200);
     let mut m = Matches::new();
     idx.longest_matches(&hot, &BackendSet::first(1), &mut m);
-    assert_eq!(m[0], 400, "the hot prompt is kept whole");
+    assert_eq!(m[0] as usize, len, "the hot prompt is kept whole");
     idx.longest_matches(&cold, &BackendSet::first(1), &mut m);
     assert_eq!(m[0], 200, "the cold one lost its tail");
 }
@@ -514,10 +516,11 @@ fn blocks_queued_after_their_anchor_keep_up_with_it() {
     // A conversation's turns end between anchors: each turn queues blocks
     // after the anchor the previous turn queued. Sent again and again
     // while other prompts stream through, it stays whole.
+    let d = DENSE_BLOCKS;
     let idx = PrefixIndex::new(20_000);
-    idx.set_capacity(0, 2_000);
-    let conv = chain(71, 700);
-    for turn in [100, 210, 330, 450, 700] {
+    idx.set_capacity(0, d + 2_000);
+    let conv = chain(71, d + 700);
+    for turn in [d + 100, d + 210, d + 330, d + 450, d + 700] {
         idx.insert(0, &conv[..turn]);
     }
     for k in 0..30 {
@@ -526,27 +529,127 @@ fn blocks_queued_after_their_anchor_keep_up_with_it() {
     }
     let mut m = Matches::new();
     idx.longest_matches(&conv, &BackendSet::first(1), &mut m);
-    assert_eq!(m[0], 700);
-    assert!(idx.len(0) <= 2_000);
+    assert_eq!(m[0] as usize, d + 700);
+    assert!(idx.len(0) <= d + 2_000);
     // Every block of it is still tracked, not only what the search sees.
     let held = conv
         .iter()
         .filter(|&&h| idx.find(h).and_then(|s| s.word_of(0)).is_some())
         .count();
-    assert_eq!(held, 700);
+    assert_eq!(held, d + 700);
 }
 
 #[test]
 fn a_lost_anchor_is_learned_again() {
+    let d = DENSE_BLOCKS;
     let idx = PrefixIndex::new(10_000);
-    idx.set_capacity(4, 1_000);
-    let doc = chain(81, 300);
+    idx.set_capacity(4, 2_000);
+    let doc = chain(81, d + 300);
     idx.insert(4, &doc);
-    for w in &idx.find(doc[128]).unwrap().owners {
+    for w in &idx.find(doc[d + 128]).unwrap().owners {
         owners::remove(w, 4);
     }
     let mut ages = Vec::new();
-    idx.insert_aging(4, &doc, &[], 300, &mut ages);
-    assert!(idx.find(doc[128]).unwrap().word_of(4).is_some());
-    assert!(ages[128] == AGE_UNKNOWN && ages[96] == 0);
+    idx.insert_aging(4, &doc, &[], (d + 300) as u32, &mut ages);
+    assert!(idx.find(doc[d + 128]).unwrap().word_of(4).is_some());
+    assert!(ages[d + 128] == AGE_UNKNOWN && ages[d + 96] == 0);
+    assert!(ages[d + 97] == AGE_UNKNOWN, "not an anchor");
+}
+
+/// The learning before issue 13, block by block, as the oracle of
+/// `learning_matches_the_walk_below_the_anchors` (ring entries as now).
+fn learn_block_by_block(
+    idx: &PrefixIndex,
+    backend: usize,
+    hashes: &[u64],
+    matched: u32,
+    ages: &mut Vec<u64>,
+) {
+    ages.clear();
+    let tag = (backend as u64) << SENT_SHIFT;
+    let alloc = hashes.len().saturating_sub(matched as usize) as u64;
+    let end = (idx.pushed[backend].fetch_add(alloc, Relaxed) + alloc) & SENT_MASK;
+    let now = end - alloc;
+    let age_of = |s: &Slot| {
+        let sent = s.last_sent.load(Relaxed);
+        if sent != 0 && sent & !SENT_MASK == tag {
+            now.saturating_sub(sent & SENT_MASK)
+        } else {
+            AGE_UNKNOWN
+        }
+    };
+    let mut first_new = hashes.len();
+    for (i, &h) in hashes.iter().enumerate() {
+        match idx.find(h).and_then(|s| Some((s, s.word_of(backend)?))) {
+            Some((s, word)) => {
+                owners::touch(word, backend);
+                ages.push(age_of(s));
+                s.last_sent.store(tag | end, Relaxed);
+            }
+            _ => {
+                first_new = i;
+                break;
+            }
+        }
+    }
+    if first_new == hashes.len() {
+        return;
+    }
+    let mut ring = idx.rings[backend].lock().unwrap();
+    ages.resize(hashes.len(), AGE_UNKNOWN);
+    for (i, &h) in hashes.iter().enumerate().skip(first_new).rev() {
+        let slot = idx.find_or_claim(h);
+        let (new, _) = slot.add_owner(backend);
+        if new {
+            ring.blocks.push_back([h, h]);
+            idx.tracked.fetch_add(1, Relaxed);
+        } else if let Some(word) = slot.word_of(backend) {
+            ages[i] = age_of(slot);
+            owners::touch(word, backend);
+        }
+        slot.last_sent.store(tag | end, Relaxed);
+    }
+    idx.ring_lens[backend].store(ring.blocks.len(), Relaxed);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Below `DENSE_BLOCKS` (every block an anchor), learning a prompt as
+    /// the router does (lookup, then learning what the chosen backend
+    /// matched) gives the ages and the matches the block-by-block learning
+    /// gave, send after send, on an index without displacement.
+    #[test]
+    fn learning_matches_the_walk_below_the_anchors(
+        shape in proptest::collection::vec((0usize..8, 0usize..400, 1usize..200), 1..8),
+        sends in proptest::collection::vec((0usize..3, 0usize..8, 0usize..600, 0u64..50), 1..40),
+    ) {
+        let prompts = prompt_tree(&shape);
+        let (new, old) = (PrefixIndex::new(1 << 16), PrefixIndex::new(1 << 16));
+        for b in 0..3 {
+            new.set_capacity(b, 1 << 14);
+            old.set_capacity(b, 1 << 14);
+        }
+        let every = BackendSet::first(3);
+        let (mut m_new, mut m_old) = (Matches::new(), Matches::new());
+        let (mut found, mut ages_new, mut ages_old) = (Vec::new(), Vec::new(), Vec::new());
+        for &(b, p, len, extra) in &sends {
+            let p = &prompts[p % prompts.len()];
+            let q = &p[..(len % (p.len() + 1)).min(DENSE_BLOCKS)];
+            if q.is_empty() {
+                continue;
+            }
+            new.longest_matches_noting(q, &every, &mut m_new, &mut found);
+            old.walk_matches(q, &every, &mut m_old, &mut Vec::new());
+            for x in 0..3 {
+                prop_assert_eq!(m_new[x], m_old[x], "backend {} on {} blocks", x, q.len());
+            }
+            new.insert_aging(b, q, &found, m_new[b], &mut ages_new);
+            learn_block_by_block(&old, b, q, m_old[b], &mut ages_old);
+            prop_assert_eq!(&ages_new, &ages_old, "backend {} on {} blocks", b, q.len());
+            new.allocated(b, extra);
+            old.allocated(b, extra);
+        }
+        prop_assert_eq!(new.evictions(), 0);
+    }
 }
