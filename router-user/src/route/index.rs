@@ -323,13 +323,16 @@ impl std::ops::Deref for Matches {
 /// `MAX_GAP + 1` blocks (a later one cannot start a match).
 const MAX_RUNS: usize = (MAX_GAP + 1) * OWNERS;
 
-/// Prompts of up to this many blocks (3 KB) are looked up by the walk,
-/// longer ones by the search: the walk's probes overlap (prefetched
-/// [`AHEAD`] blocks ahead) where a search's depend on each other. Lookup
-/// then learning of a held prompt, cold, on the bench's busy table (walk
-/// against search): 16 blocks 0.50 against 0.59 us, 32 blocks 0.96 against
-/// 1.02, 64 blocks 2.16 against 2.06, 128 blocks 4.37 against 2.25.
-pub const LINEAR_MAX: usize = 48;
+/// Prompts of up to this many blocks (32 KB) are looked up by the walk,
+/// longer ones by the search. The search alone wins from about 48 blocks
+/// (lookup then learning of a held prompt, cold, walk against search: 16
+/// blocks 0.50 against 0.59 us, 32 blocks 0.96 against 1.02, 64 blocks
+/// 2.16 against 2.06, 128 blocks 4.37 against 2.25, with anchors from
+/// block 64), but below [`DENSE_BLOCKS`] the learning visits every block
+/// anyway, and finds them warm and noted after the walk: so a prompt is
+/// walked as long as it is learned block by block, and up to 32 KB the
+/// request path is the one before issue 13.
+pub const LINEAR_MAX: usize = DENSE_BLOCKS;
 
 impl PrefixIndex {
     /// An index sized for `total_capacity` tracked blocks over all backends.
@@ -505,10 +508,11 @@ impl PrefixIndex {
     /// compares these ages with what the engine says it still held.
     ///
     /// What the backend held costs per anchor, not per block: on a prompt
-    /// of more than [`LINEAR_MAX`] blocks, its held part is found as the
+    /// of more than [`DENSE_BLOCKS`] blocks, its held part is found as the
     /// lookup finds a match ([`Self::match_end`]), and only its anchors are
     /// touched and stamped; the blocks between two anchors take their
-    /// recency from the first of them (see [`Ring`]) and have no age.
+    /// recency from the first of them (see [`Ring`]) and have no age. A
+    /// shorter prompt is learned block by block, exactly as before anchors.
     pub fn insert_aging(
         &self,
         backend: usize,
@@ -545,7 +549,7 @@ impl PrefixIndex {
         // blocks after them keep a recency.
         let mut lost_anchors = Vec::new();
         let mut held_end = 0;
-        if n > LINEAR_MAX {
+        if n > DENSE_BLOCKS {
             let mut probes = Probes::new(hashes);
             if let Some(lo) = (0..=MAX_GAP).find(|&i| probes.holds(self, i, backend)) {
                 held_end = self.match_end(&mut probes, backend, lo);
@@ -575,13 +579,19 @@ impl PrefixIndex {
         // Block by block past it (the whole of a short prompt). The common
         // case, a prompt the backend already holds, takes no lock.
         let mut first_new = n;
-        for s in (held_end..held_end + AHEAD).filter_map(noted_slot) {
-            prefetch(s);
-        }
-        for (i, age) in ages.iter_mut().enumerate().skip(held_end) {
-            if let Some(s) = noted_slot(i + AHEAD) {
-                prefetch(s);
+        // A block's noted slot is prefetched, else its window: the lookup
+        // of a prompt past `LINEAR_MAX` noted only its first blocks.
+        let ahead = |i: usize| match noted_slot(i) {
+            Some(s) => prefetch(s),
+            None => {
+                if let Some(&h) = hashes.get(i) {
+                    self.prefetch_window(h);
+                }
             }
+        };
+        (held_end..held_end + AHEAD).for_each(ahead);
+        for (i, age) in ages.iter_mut().enumerate().skip(held_end) {
+            ahead(i + AHEAD);
             match held_slot(i) {
                 Some((s, word)) => {
                     owners::touch(word, backend);

@@ -400,9 +400,9 @@ proptest! {
     /// before the walk's end.
     #[test]
     fn search_ends_after_a_held_block_and_not_before_the_walk(
-        len in (LINEAR_MAX + 1)..400usize,
-        holes in proptest::collection::vec((0usize..400, 1usize..40, 0usize..3), 0..8),
-        ends in proptest::collection::vec(0usize..400, 3),
+        len in 60..700usize,
+        holes in proptest::collection::vec((0usize..700, 1usize..40, 0usize..3), 0..8),
+        ends in proptest::collection::vec(0usize..700, 3),
     ) {
         let ids = [5usize, 64, 1000];
         let idx = PrefixIndex::new(4096);
