@@ -579,15 +579,16 @@ impl PrefixIndex {
         // Block by block past it (the whole of a short prompt). The common
         // case, a prompt the backend already holds, takes no lock.
         let mut first_new = n;
-        // A block's noted slot is prefetched, else its window: the lookup
-        // of a prompt past `LINEAR_MAX` noted only its first blocks.
+        // A block's noted slot is prefetched; past `DENSE_BLOCKS`, where the
+        // lookup noted only the first blocks, its window else.
         let ahead = |i: usize| match noted_slot(i) {
             Some(s) => prefetch(s),
-            None => {
+            None if n > DENSE_BLOCKS => {
                 if let Some(&h) = hashes.get(i) {
                     self.prefetch_window(h);
                 }
             }
+            None => {}
         };
         (held_end..held_end + AHEAD).for_each(ahead);
         for (i, age) in ages.iter_mut().enumerate().skip(held_end) {
