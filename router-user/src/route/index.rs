@@ -186,10 +186,9 @@ pub const AGE_UNKNOWN: u64 = u64::MAX;
 /// prompt's first 32 KB (the whole of most chats: the quality scenarios'
 /// conversations end near 400 blocks) is exact, block by block, as before
 /// anchors (`learning_matches_the_walk_below_the_anchors`). The cost: a
-/// held prompt of up to 512 blocks is learned block by block, as it was
-/// (what the lookup no longer walks, the learning does: the bench's
-/// 256-block lookup then learning is 8.5 us either way), and a 400 KB one
-/// costs 22 us where 64 dense blocks made it 9 us.
+/// prompt of up to 512 blocks costs what it did (looked up and learned
+/// block by block, [`LINEAR_MAX`]), and a 400 KB one 22 us to look up and
+/// learn where 64 dense blocks made it 9 us (criterion `index`).
 const DENSE_BLOCKS: usize = 512;
 
 /// Past [`DENSE_BLOCKS`], one block in this many is an anchor (2 KB, about
