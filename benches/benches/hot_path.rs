@@ -169,6 +169,36 @@ fn index(c: &mut Criterion) {
             idx.insert(k % BACKENDS, &fresh[k % fresh.len()]);
         })
     });
+    // A 400 KB document (6,400 blocks) each backend holds two of, on the
+    // same busy table: the router's lookup then learning (with ages, as
+    // `Router::learn`), a different document each time so its slots are
+    // not in the caches from the last request.
+    const LONG: usize = 6_400;
+    let long: Vec<(usize, Vec<u64>)> = (0..2 * BACKENDS as u64)
+        .map(|p| ((p as usize) % BACKENDS, prompt_hashes(2_000_000 + p, LONG)))
+        .collect();
+    for (backend, hashes) in &long {
+        idx.insert(*backend, hashes);
+    }
+    let mut ages = Vec::new();
+    let mut j = 0usize;
+    g.throughput(Throughput::Elements(LONG as u64));
+    g.bench_function("lookup_then_insert_held_cold_400KB", |b| {
+        b.iter(|| {
+            j = (j + 1) % long.len();
+            let (backend, hashes) = &long[j];
+            idx.longest_matches_noting(hashes, &all, &mut m, &mut found);
+            let matched = m[*backend];
+            idx.insert_aging(*backend, hashes, &found, matched, &mut ages);
+            black_box(matched)
+        })
+    });
+    g.bench_function("lookup_hit_cold_400KB", |b| {
+        b.iter(|| {
+            j = (j + 1) % long.len();
+            black_box(idx.longest_matches(black_box(&long[j].1), &all, &mut m))
+        })
+    });
     g.finish();
 }
 

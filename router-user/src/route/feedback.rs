@@ -24,6 +24,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering:
 
 use memchr::memmem;
 
+use crate::route::index::{AGE_UNKNOWN, anchor_after, anchor_of};
+
 /// Bytes kept from the end of one read so a key split across two reads is
 /// still found: a key (15 bytes), a colon, spaces and a 10-digit number.
 const CARRY: usize = 48;
@@ -365,7 +367,8 @@ impl Feedback {
 
     /// Compares a report with the prediction. `ages[i]` is block `i`'s age
     /// when the request was sent (new blocks this backend was sent since it
-    /// last was sent block `i`; `index::AGE_UNKNOWN` when not known).
+    /// last was sent block `i`; `index::AGE_UNKNOWN` when not known, as
+    /// for the blocks between two anchors of a long prompt).
     /// `pinned_blocks`: prompt blocks of the backend's requests in flight.
     pub fn observe(
         &self,
@@ -385,11 +388,18 @@ impl Feedback {
         self.reported_blocks.fetch_add(u64::from(held), Relaxed);
         self.error_blocks
             .fetch_add(u64::from(predicted.abs_diff(held)), Relaxed);
-        let age = |i: u32| {
-            ages.get(i as usize)
-                .copied()
-                .filter(|&a| a != crate::route::index::AGE_UNKNOWN)
-        };
+        // Past a long prompt's head only anchors have ages
+        // (`index::is_anchor`), and a block between two reads one of them,
+        // on the side that cannot mislead. The hashes are chained, so a send
+        // of a block was a send of every block before it: the anchor before
+        // it is at most as old, the one after it at least as old. An
+        // eviction reads the anchor after (the capacity is below that too),
+        // a kept block the anchor before (it is at least that). An
+        // anchor's own age, as every block's of a prompt's head, is read as
+        // it is.
+        let known = |i: usize| ages.get(i).copied().filter(|&a| a != AGE_UNKNOWN);
+        let age_at_least = |i: u32| known(anchor_after(i as usize));
+        let age_at_most = |i: u32| known(anchor_of(i as usize));
         let cap = f64::from_bits(self.capacity.load(Relaxed));
         let pinned = f64::from(pinned_blocks);
         if held > 0 {
@@ -410,7 +420,7 @@ impl Feedback {
                 && predicted >= FLUSH_MIN_BLOCKS
                 && calm
                 && trusted
-                && age(0).is_some_and(|a| (a as f64) < FLUSH_AGE_SHARE * cap)
+                && known(0).is_some_and(|a| (a as f64) < FLUSH_AGE_SHARE * cap)
             {
                 // A recent prompt lost whole says nothing of the capacity.
                 if self.empty_in_row.fetch_add(1, Relaxed) + 1 >= FLUSH_REPORTS {
@@ -423,7 +433,7 @@ impl Feedback {
             // Evicted at this age: the capacity is below it. The running
             // requests' blocks cannot be evicted, so the cache turned over
             // only what they left free: the capacity is the age plus them.
-            if let Some(a) = age(held + TOLERANCE_BLOCKS) {
+            if let Some(a) = age_at_least(held + TOLERANCE_BLOCKS) {
                 self.learn_capacity(cap, a as f64 + pinned, |a, c| a < c);
             }
         } else if predicted + TOLERANCE_BLOCKS < held {
@@ -431,7 +441,7 @@ impl Feedback {
         }
         // Kept at this age: the capacity is at least it.
         if held > TOLERANCE_BLOCKS
-            && let Some(a) = age(held.min(predicted).saturating_sub(TOLERANCE_BLOCKS + 1))
+            && let Some(a) = age_at_most(held.min(predicted).saturating_sub(TOLERANCE_BLOCKS + 1))
         {
             self.learn_capacity(cap, a as f64 + pinned, |a, c| a > c);
         }
@@ -641,6 +651,46 @@ mod tests {
             (c - real as f64).abs() < 0.25 * real as f64,
             "learned {c}, real {real}"
         );
+    }
+
+    #[test]
+    fn sparse_ages_are_read_on_the_side_that_cannot_mislead() {
+        // A long prompt's ages as the index gives them: known at anchors
+        // only past its head, growing along the prompt. The engine held 600
+        // of 800 blocks.
+        use crate::route::index::is_anchor;
+        let ages: Vec<u64> = (0..800u64)
+            .map(|i| {
+                if is_anchor(i as usize) {
+                    5_000 + i
+                } else {
+                    AGE_UNKNOWN
+                }
+            })
+            .collect();
+        assert!(!is_anchor(602) && is_anchor(608) && is_anchor(576) && !is_anchor(597));
+        let held_600 = Usage {
+            prompt_tokens: 12_800,
+            cached_tokens: 9_600,
+            completion_tokens: 0,
+        };
+        // Evicted at block 602: the anchor after it (608, older) bounds its
+        // age from above, so the capacity moves toward 5,608.
+        let f = Feedback::new(65_536);
+        f.observe(held_600, 800, &ages, 0);
+        let want = 65_536.0 + CAPACITY_STEP * (5_608.0 - 65_536.0);
+        assert_eq!(f.capacity(), want as usize);
+        // Kept up to block 597: the anchor before it (576, younger) bounds
+        // it from below.
+        let f = Feedback::new(1_000);
+        f.observe(held_600, 600, &ages, 0);
+        let want = 1_000.0 + CAPACITY_STEP * (5_576.0 - 1_000.0);
+        assert_eq!(f.capacity(), want as usize);
+        // The anchor's age unknown (another backend was sent it since):
+        // nothing is learned.
+        let f = Feedback::new(1_000);
+        f.observe(held_600, 600, &[AGE_UNKNOWN; 800], 0);
+        assert_eq!(f.capacity(), 1_000);
     }
 
     #[test]

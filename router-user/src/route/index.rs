@@ -20,8 +20,15 @@
 //! is a routing hint, never a source of truth, so a wrong hint costs at most
 //! one cache miss.
 //!
+//! A long prompt costs what its holders number, not its length: the lookup
+//! walks a prompt's first blocks and searches each holder's end from the
+//! last block back (`search_matches`), and learning a prompt the backend
+//! held touches and stamps one block in [`ANCHOR_STRIDE`] past its head
+//! (`is_anchor`); the blocks between take their recency from their anchor.
+//!
 //! Memory: 32 bytes a slot whatever the fleet size, slots = 4/3 x the sum of
-//! capacities, plus 8 bytes a ring entry: 32 * 4/3 + 8 = 50.7 bytes per
+//! capacities, plus 16 bytes a ring entry (the block and its anchor):
+//! 32 * 4/3 + 16 = 58.7 bytes per
 //! tracked block when every backend is full, plus 72 bytes per backend slot
 //! (72 KB for `MAX_BACKENDS`: 9 bytes a block on 8 backends of 1,024
 //! blocks, nothing on real capacities; `memory_per_tracked_block` and
@@ -33,6 +40,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use crate::route::MAX_BACKENDS;
 use crate::route::owners::{self, Added, BackendSet, LANES};
+use search::Probes;
 
 /// A block [`PrefixIndex::longest_matches_noting`] found no slot for.
 pub const NOT_FOUND: u32 = u32::MAX;
@@ -174,10 +182,69 @@ const SENT_MASK: u64 = (1 << SENT_SHIFT) - 1;
 /// A block whose age is not known (not last sent to this backend).
 pub const AGE_UNKNOWN: u64 = u64::MAX;
 
-/// One backend's blocks in the order they were first tracked.
+/// Blocks of a prompt's head that are all anchors: the bookkeeping of a
+/// prompt's first 32 KB (the whole of most chats: the quality scenarios'
+/// conversations end near 400 blocks) is exact, block by block, as before
+/// anchors (`learning_matches_the_walk_below_the_anchors`). The cost: a
+/// prompt of up to 512 blocks costs what it did (looked up and learned
+/// block by block, [`LINEAR_MAX`]), and a 400 KB one 22 us to look up and
+/// learn where 64 dense blocks made it 9 us (criterion `index`).
+const DENSE_BLOCKS: usize = 512;
+
+/// Past [`DENSE_BLOCKS`], one block in this many is an anchor (2 KB, about
+/// 500 tokens): learning a 400 KB prompt the backend held touches and
+/// stamps 700 anchors, not 6,400 blocks. The price: a block between two
+/// anchors is kept as long as the first of them is sent (up to 31 blocks
+/// kept past where a conversation ends, if one that shared them goes on),
+/// and the closed loop reads its age from the nearest anchor.
+const ANCHOR_STRIDE: usize = 32;
+
+const _: () = assert!(DENSE_BLOCKS.is_multiple_of(ANCHOR_STRIDE));
+
+/// Whether block `i` of a prompt is an anchor: its referenced bit and its
+/// when-last-sent stamp are kept whenever a prompt holding it is sent. A
+/// block's position in its prompt is fixed by its hash (the hashes are
+/// chained), so every prompt agrees on which blocks are anchors, and every
+/// prompt holding a block holds its anchor ([`anchor_of`] is not after it).
+#[inline]
+pub fn is_anchor(i: usize) -> bool {
+    i < DENSE_BLOCKS || i.is_multiple_of(ANCHOR_STRIDE)
+}
+
+/// The anchor whose recency block `i` takes: itself, or the last anchor
+/// before it.
+#[inline]
+pub fn anchor_of(i: usize) -> usize {
+    if is_anchor(i) {
+        i
+    } else {
+        i - i % ANCHOR_STRIDE
+    }
+}
+
+/// Block `i` if it is an anchor, else the first anchor after it.
+#[inline]
+pub fn anchor_after(i: usize) -> usize {
+    if is_anchor(i) {
+        i
+    } else {
+        anchor_of(i) + ANCHOR_STRIDE
+    }
+}
+
+/// One backend's blocks in the order they were first tracked, each with
+/// the hash of its anchor ([`anchor_of`]; its own for an anchor). A long
+/// prompt sent again touches and stamps its anchors only, so the hand gives
+/// a block a second chance when its own referenced bit is set or its
+/// anchor was sent since the hand last passed the block
+/// (`PrefixIndex::anchor_sent_since`). Blocks queued with their anchor
+/// enter before it (tail first), so the hand reads the anchor's bit as the
+/// last send left it; for blocks queued after their anchor (a prompt
+/// extending one that ended between two anchors) the hand passes the
+/// anchor first and clears its bit, and the stamps tell.
 #[derive(Default)]
 struct Ring {
-    blocks: VecDeque<u64>,
+    blocks: VecDeque<[u64; 2]>,
     capacity: usize,
 }
 
@@ -255,6 +322,17 @@ impl std::ops::Deref for Matches {
 /// `MAX_GAP + 1` blocks (a later one cannot start a match).
 const MAX_RUNS: usize = (MAX_GAP + 1) * OWNERS;
 
+/// Prompts of up to this many blocks (32 KB) are looked up by the walk,
+/// longer ones by the search. The search alone wins from about 48 blocks
+/// (lookup then learning of a held prompt, cold, walk against search: 16
+/// blocks 0.50 against 0.59 us, 32 blocks 0.96 against 1.02, 64 blocks
+/// 2.16 against 2.06, 128 blocks 4.37 against 2.25, with anchors from
+/// block 64), but below [`DENSE_BLOCKS`] the learning visits every block
+/// anyway, and finds them warm and noted after the walk: so a prompt is
+/// walked as long as it is learned block by block, and up to 32 KB the
+/// request path is the one before issue 13.
+pub const LINEAR_MAX: usize = DENSE_BLOCKS;
+
 impl PrefixIndex {
     /// An index sized for `total_capacity` tracked blocks over all backends.
     pub fn new(total_capacity: usize) -> Self {
@@ -299,11 +377,33 @@ impl PrefixIndex {
 
     /// [`Self::longest_matches`], also noting in `found` (cleared first)
     /// the slot of each block it looked at (`NOT_FOUND` where none), so that
-    /// [`Self::insert_noted`] need not probe for them again.
+    /// [`Self::insert_noted`] need not probe for them again: the first
+    /// `found.len()` blocks.
     ///
-    /// Its cost follows the prompt's blocks and the backends holding them,
-    /// not the fleet: it follows the owners of the first blocks only.
+    /// Its cost follows the backends holding the prompt's first blocks, not
+    /// the fleet, and on a long prompt not its length either: a prompt of
+    /// up to [`LINEAR_MAX`] blocks is walked block by block
+    /// ([`Self::walk_matches`]); a longer one walks its first blocks, then
+    /// searches each holder's end from the last block back
+    /// ([`Self::search_matches`]).
     pub fn longest_matches_noting(
+        &self,
+        hashes: &[u64],
+        candidates: &BackendSet,
+        out: &mut Matches,
+        found: &mut Vec<u32>,
+    ) -> usize {
+        if hashes.len() <= LINEAR_MAX {
+            self.walk_matches(hashes, candidates, out, found)
+        } else {
+            self.search_matches(hashes, candidates, out, found)
+        }
+    }
+
+    /// The lookup block by block: each backend's match is where it drops
+    /// out. The rule is the one [`Self::search_matches`] keeps on long
+    /// prompts, and its tests' oracle.
+    fn walk_matches(
         &self,
         hashes: &[u64],
         candidates: &BackendSet,
@@ -312,15 +412,32 @@ impl PrefixIndex {
     ) -> usize {
         found.clear();
         out.clear();
-        // Each followed backend and the end of its match (one past the last
-        // block it holds). A backend that holds a later block was sent the
-        // blocks before it too (the hashes are chained): a run of up to
-        // `MAX_GAP` blocks it lacks (slots displaced from a full window,
-        // re-claimed for another backend) is bridged; a longer run ends its
-        // match before the run. So only owners of the first `MAX_GAP + 1`
-        // blocks can have a match.
+        let (runs, n_runs) = self.walk_runs(hashes, hashes.len(), candidates, found);
+        for &(b, end) in &runs[..n_runs] {
+            out.set(usize::from(b), end);
+        }
+        n_runs
+    }
+
+    /// Walks the first `limit` blocks of `hashes`, noting their slots in
+    /// `found`; returns each backend followed and the end of its match
+    /// within them (one past the last block it holds).
+    ///
+    /// A backend that holds a later block was sent the blocks before it too
+    /// (the hashes are chained): a run of up to `MAX_GAP` blocks it lacks
+    /// (slots displaced from a full window, re-claimed for another backend)
+    /// is bridged; a longer run ends its match before the run. So only
+    /// owners of the first `MAX_GAP + 1` blocks can have a match.
+    fn walk_runs(
+        &self,
+        hashes: &[u64],
+        limit: usize,
+        candidates: &BackendSet,
+        found: &mut Vec<u32>,
+    ) -> ([(u16, u32); MAX_RUNS], usize) {
         let mut runs = [(0u16, 0u32); MAX_RUNS];
         let mut n_runs = 0;
+        let hashes = &hashes[..limit.min(hashes.len())];
         for &h in hashes.iter().take(AHEAD) {
             self.prefetch_window(h);
         }
@@ -359,10 +476,7 @@ impl PrefixIndex {
                 break;
             }
         }
-        for &(b, end) in &runs[..n_runs] {
-            out.set(usize::from(b), end);
-        }
-        n_runs
+        (runs, n_runs)
     }
 
     /// Records that `backend` now holds every block of `hashes` (it was sent
@@ -392,10 +506,19 @@ impl PrefixIndex {
 
     /// [`Self::insert_noted`] for a prompt whose first `matched` blocks the
     /// backend was predicted to hold, also writing into `ages` (cleared
-    /// first) each block's age before this send: blocks the backend computed
-    /// since it was last sent this one, [`AGE_UNKNOWN`] when another backend
-    /// was sent it since or it was never sent. The closed loop (`feedback`)
+    /// first, one per block) each block's age before this send: blocks the
+    /// backend computed since it was last sent this one, [`AGE_UNKNOWN`]
+    /// when another backend was sent it since, it was never sent, or it is
+    /// not an anchor ([`is_anchor`]: every block of a prompt's first 32 KB
+    /// is, then one in [`ANCHOR_STRIDE`]). The closed loop (`feedback`)
     /// compares these ages with what the engine says it still held.
+    ///
+    /// What the backend held costs per anchor, not per block: on a prompt
+    /// of more than [`DENSE_BLOCKS`] blocks, its held part is found as the
+    /// lookup finds a match ([`Self::match_end`]), and only its anchors are
+    /// touched and stamped; the blocks between two anchors take their
+    /// recency from the first of them (see [`Ring`]) and have no age. A
+    /// shorter prompt is learned block by block, exactly as before anchors.
     pub fn insert_aging(
         &self,
         backend: usize,
@@ -405,8 +528,9 @@ impl PrefixIndex {
         ages: &mut Vec<u64>,
     ) {
         ages.clear();
+        let n = hashes.len();
         let tag = (backend as u64) << SENT_SHIFT;
-        let alloc = hashes.len().saturating_sub(matched as usize) as u64;
+        let alloc = n.saturating_sub(matched as usize) as u64;
         let end = (self.pushed[backend].fetch_add(alloc, Relaxed) + alloc) & SENT_MASK;
         let now = end - alloc;
         let age_of = |s: &Slot| {
@@ -417,27 +541,70 @@ impl PrefixIndex {
                 AGE_UNKNOWN
             }
         };
-        // The common case, a prompt the backend already holds, takes no lock.
-        let mut first_new = hashes.len();
         let noted_slot = |i: usize| found.get(i).and_then(|&j| self.slots.get(j as usize));
-        for s in (0..AHEAD).filter_map(noted_slot) {
-            prefetch(s);
-        }
-        for (i, &h) in hashes.iter().enumerate() {
-            if let Some(s) = noted_slot(i + AHEAD) {
-                prefetch(s);
-            }
-            let noted = found
-                .get(i)
-                .and_then(|&j| self.slots.get(j as usize))
-                .filter(|s| s.key.load(Relaxed) == h);
-            match noted
-                .or_else(|| self.find(h))
+        // The slot of block `i` if it names the backend.
+        let held_slot = |i: usize| {
+            noted_slot(i)
+                .filter(|s| s.key.load(Relaxed) == hashes[i])
+                .or_else(|| self.find(hashes[i]))
                 .and_then(|s| Some((s, s.word_of(backend)?)))
+        };
+        ages.resize(n, AGE_UNKNOWN);
+        // Anchors of the held part that the backend lacks (their slots
+        // displaced or their lanes taken): learned again below, so the
+        // blocks after them keep a recency.
+        let mut lost_anchors = Vec::new();
+        let mut held_end = 0;
+        if n > DENSE_BLOCKS {
+            let mut probes = Probes::new(hashes);
+            if let Some(lo) = (0..=MAX_GAP).find(|&i| probes.holds(self, i, backend)) {
+                held_end = self.match_end(&mut probes, backend, lo);
+            }
+            let anchors = (0..held_end.min(DENSE_BLOCKS))
+                .chain((DENSE_BLOCKS..held_end).step_by(ANCHOR_STRIDE));
+            for i in anchors.clone().take(AHEAD) {
+                self.prefetch_window(hashes[i]);
+            }
+            for (i, ahead) in anchors
+                .clone()
+                .zip(anchors.skip(AHEAD).map(Some).chain(std::iter::repeat(None)))
             {
+                if let Some(j) = ahead {
+                    self.prefetch_window(hashes[j]);
+                }
+                match held_slot(i) {
+                    Some((s, word)) => {
+                        owners::touch(word, backend);
+                        ages[i] = age_of(s);
+                        s.last_sent.store(tag | end, Relaxed);
+                    }
+                    None => lost_anchors.push(i),
+                }
+            }
+        }
+        // Block by block past it (the whole of a short prompt). The common
+        // case, a prompt the backend already holds, takes no lock.
+        let mut first_new = n;
+        // A block's noted slot is prefetched; past `DENSE_BLOCKS`, where the
+        // lookup noted only the first blocks, its window else.
+        let ahead = |i: usize| match noted_slot(i) {
+            Some(s) => prefetch(s),
+            None if n > DENSE_BLOCKS => {
+                if let Some(&h) = hashes.get(i) {
+                    self.prefetch_window(h);
+                }
+            }
+            None => {}
+        };
+        (held_end..held_end + AHEAD).for_each(ahead);
+        for (i, age) in ages.iter_mut().enumerate().skip(held_end) {
+            ahead(i + AHEAD);
+            match held_slot(i) {
                 Some((s, word)) => {
                     owners::touch(word, backend);
-                    ages.push(age_of(s));
+                    if is_anchor(i) {
+                        *age = age_of(s);
+                    }
                     s.last_sent.store(tag | end, Relaxed);
                 }
                 _ => {
@@ -446,29 +613,35 @@ impl PrefixIndex {
                 }
             }
         }
-        if first_new == hashes.len() {
+        if first_new == n && lost_anchors.is_empty() {
             return;
         }
         let mut ring = self.rings[backend]
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         if ring.capacity == 0 {
+            ages.truncate(first_new);
             return;
         }
-        ages.resize(hashes.len(), AGE_UNKNOWN);
         // Tail first: within one prompt the ring then forgets the tail before
         // the head, as engines evict (a prefix outlives its extensions).
-        for (i, &h) in hashes.iter().enumerate().skip(first_new).rev() {
+        let blocks = (first_new..n)
+            .rev()
+            .chain(lost_anchors.iter().rev().copied());
+        for i in blocks {
+            let h = hashes[i];
             let slot = self.find_or_claim(h);
             let (new, replaced) = slot.add_owner(backend);
             if new {
-                ring.blocks.push_back(h);
+                ring.blocks.push_back([h, hashes[anchor_of(i)]]);
                 self.tracked.fetch_add(1, Relaxed);
                 if replaced.is_some() {
                     self.evictions.fetch_add(1, Relaxed);
                 }
             } else if let Some(word) = slot.word_of(backend) {
-                ages[i] = age_of(slot);
+                if is_anchor(i) {
+                    ages[i] = age_of(slot);
+                }
                 owners::touch(word, backend);
             }
             slot.last_sent.store(tag | end, Relaxed);
@@ -482,7 +655,7 @@ impl PrefixIndex {
         let mut ring = self.rings[backend]
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        while let Some(h) = ring.blocks.pop_front() {
+        while let Some([h, _]) = ring.blocks.pop_front() {
             self.tracked.fetch_sub(1, Relaxed);
             if let Some(s) = self.find(h) {
                 self.drop_owner(s, h, backend);
@@ -537,7 +710,7 @@ impl PrefixIndex {
                     .unwrap_or_else(|p| p.into_inner())
                     .blocks
                     .capacity()
-                    * 8
+                    * std::mem::size_of::<[u64; 2]>()
             })
             .sum();
         self.slots.len() * std::mem::size_of::<Slot>() + rings + per_backend * self.rings.len()
@@ -644,14 +817,20 @@ impl PrefixIndex {
         // budget blocks are dropped whatever their bit says, so the loop ends
         // and the capacity holds even while readers keep touching blocks.
         let mut second_chances = ring.blocks.len();
+        // The last anchor read, its bit and its stamp: the blocks of one
+        // anchor are queued together.
+        let mut anchor = (0u64, false, 0u64);
         while ring.blocks.len() > ring.capacity {
-            let Some(h) = ring.blocks.pop_front() else {
+            let Some([h, a]) = ring.blocks.pop_front() else {
                 break;
             };
             if let Some((s, word)) = self.find(h).and_then(|s| Some((s, s.word_of(backend)?))) {
-                if second_chances > 0 && owners::take_referenced(word, backend) {
+                if second_chances > 0
+                    && (owners::take_referenced(word, backend)
+                        || (a != h && self.anchor_sent_since(&mut anchor, a, s, backend)))
+                {
                     second_chances -= 1;
-                    ring.blocks.push_back(h);
+                    ring.blocks.push_back([h, a]);
                     continue;
                 }
                 self.drop_owner(s, h, backend);
@@ -661,7 +840,46 @@ impl PrefixIndex {
             self.tracked.fetch_sub(1, Relaxed);
         }
     }
+
+    /// Whether a block of `backend` whose anchor is `a` and whose slot is
+    /// `s` was sent again since the hand last passed it (or since it was
+    /// queued): its anchor's referenced bit is set (read, not cleared: the
+    /// anchor's own pass clears it), or its anchor's stamp is the
+    /// backend's and newer than the block's own. The block then takes its
+    /// anchor's stamp, so that its next pass asks for a later send. `cache`
+    /// keeps the last anchor read (the blocks of one anchor are queued
+    /// together).
+    fn anchor_sent_since(
+        &self,
+        cache: &mut (u64, bool, u64),
+        a: u64,
+        s: &Slot,
+        backend: usize,
+    ) -> bool {
+        if cache.0 != a {
+            *cache = match self.find(a) {
+                Some(anchor) => {
+                    let referenced = anchor.load().iter().any(|&w| {
+                        owners::position(w, backend).is_some_and(|k| owners::referenced_at(w, k))
+                    });
+                    (a, referenced, anchor.last_sent.load(Relaxed))
+                }
+                None => (a, false, 0),
+            };
+        }
+        let (_, referenced, stamp) = *cache;
+        let tag = (backend as u64) << SENT_SHIFT;
+        let own = s.last_sent.load(Relaxed);
+        let newer = stamp != 0
+            && stamp & !SENT_MASK == tag
+            && (own & !SENT_MASK != tag || stamp & SENT_MASK > own & SENT_MASK);
+        if newer {
+            s.last_sent.store(stamp, Relaxed);
+        }
+        referenced || newer
+    }
 }
 
+mod search;
 #[cfg(test)]
 mod tests;

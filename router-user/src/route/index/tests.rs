@@ -326,3 +326,330 @@ proptest! {
         }
     }
 }
+
+/// Prompts that share prefixes as conversations and documents do: each
+/// is a prefix of an earlier one (at a random cut) followed by new blocks,
+/// every block's hash unique to its prefix (the hashes are chained).
+fn prompt_tree(shape: &[(usize, usize, usize)]) -> Vec<Vec<u64>> {
+    let mut prompts: Vec<Vec<u64>> = Vec::new();
+    for (k, &(parent, cut, fresh)) in shape.iter().enumerate() {
+        let mut p = match prompts.len() {
+            0 => Vec::new(),
+            n => {
+                let parent = &prompts[parent % n];
+                parent[..cut % (parent.len() + 1)].to_vec()
+            }
+        };
+        p.extend(chain(7_000 + k as u64, fresh));
+        prompts.push(p);
+    }
+    prompts
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// On an index without displacement (a roomy table, rings within
+    /// capacity, at most `OWNERS` backends a block), the search from the
+    /// end returns the walk's matches exactly, whatever the prompts, their
+    /// shared prefixes, which backends were sent which prefix of them, the
+    /// candidates, and the prompt's length (the walk is the oracle, the
+    /// one `LINEAR_MAX` keeps for short prompts).
+    #[test]
+    fn search_matches_the_walk(
+        shape in proptest::collection::vec((0usize..8, 0usize..400, 1usize..300), 1..8),
+        sends in proptest::collection::vec((0usize..6, 0usize..8, 0usize..600), 0..16),
+        queries in proptest::collection::vec((0usize..8, 0usize..600, 0usize..40), 1..6),
+        candidates in proptest::collection::btree_set(0usize..6, 0..6),
+    ) {
+        let prompts = prompt_tree(&shape);
+        let ids = [0usize, 1, 63, 64, 700, MAX_BACKENDS - 1];
+        let idx = PrefixIndex::new(1 << 16);
+        for &b in &ids {
+            idx.set_capacity(b, 1 << 14);
+        }
+        for &(b, p, len) in &sends {
+            let p = &prompts[p % prompts.len()];
+            idx.insert(ids[b], &p[..len % (p.len() + 1)]);
+        }
+        prop_assert_eq!(idx.evictions(), 0, "the index displaced nothing");
+        let candidates: BackendSet = candidates.into_iter().map(|j| ids[j]).collect();
+        let (mut want, mut got) = (Matches::new(), Matches::new());
+        let (mut found_want, mut found_got) = (Vec::new(), Vec::new());
+        for &(p, len, extra) in &queries {
+            // A prefix of a known prompt, then blocks nobody was sent.
+            let p = &prompts[p % prompts.len()];
+            let mut q = p[..len % (p.len() + 1)].to_vec();
+            q.extend(chain(99_000 + len as u64, extra));
+            if q.is_empty() {
+                continue;
+            }
+            let n_want = idx.walk_matches(&q, &candidates, &mut want, &mut found_want);
+            let n_got = idx.search_matches(&q, &candidates, &mut got, &mut found_got);
+            prop_assert_eq!(n_got, n_want);
+            for &b in &ids {
+                prop_assert_eq!(got[b], want[b], "backend {} on {} blocks", b, q.len());
+            }
+            prop_assert_eq!(&found_got[..], &found_want[..found_got.len()]);
+        }
+    }
+
+    /// With holes of any length (blocks displaced, lanes lost), the search
+    /// on a long prompt ends one past a block the backend holds, followed
+    /// by more than `MAX_GAP` it lacks or the prompt's end, and never
+    /// before the walk's end.
+    #[test]
+    fn search_ends_after_a_held_block_and_not_before_the_walk(
+        len in 60..700usize,
+        holes in proptest::collection::vec((0usize..700, 1usize..40, 0usize..3), 0..8),
+        ends in proptest::collection::vec(0usize..700, 3),
+    ) {
+        let ids = [5usize, 64, 1000];
+        let idx = PrefixIndex::new(4096);
+        let req = chain(43, len);
+        // Backend j holds a prefix of `ends[j]` blocks, less its holes.
+        let mut held = vec![vec![false; len]; ids.len()];
+        for (j, row) in held.iter_mut().enumerate() {
+            for x in row.iter_mut().take(ends[j] % (len + 1)) {
+                *x = true;
+            }
+        }
+        for &(at, n, j) in &holes {
+            for x in held[j].iter_mut().skip(at % len).take(n) {
+                *x = false;
+            }
+        }
+        for (i, &h) in req.iter().enumerate() {
+            let s = idx.find_or_claim(h);
+            for (j, &b) in ids.iter().enumerate() {
+                if held[j][i] {
+                    s.add_owner(b);
+                }
+            }
+        }
+        let every = BackendSet::first(MAX_BACKENDS);
+        let (mut walk, mut search) = (Matches::new(), Matches::new());
+        idx.walk_matches(&req, &every, &mut walk, &mut Vec::new());
+        idx.search_matches(&req, &every, &mut search, &mut Vec::new());
+        for (j, &b) in ids.iter().enumerate() {
+            let e = search[b] as usize;
+            prop_assert!(e >= walk[b] as usize, "backend {}: {} before the walk's {}", b, e, walk[b]);
+            if walk[b] == 0 {
+                prop_assert_eq!(e, 0);
+            }
+            if e > 0 {
+                prop_assert!(held[j][e - 1], "backend {}: ends after block {} it lacks", b, e - 1);
+                prop_assert!(held[j][e..len.min(e + MAX_GAP + 1)].iter().all(|&x| !x),
+                    "backend {}: ends at {} before a block it holds within the gap", b, e);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_held_long_prompt_is_learned_by_its_anchors() {
+    // A 400 KB document, sent twice to one backend with 100 blocks of
+    // other work between: the second send stamps the anchors only, whose
+    // ages say 100, and leaves the ring as it was.
+    let idx = PrefixIndex::new(100_000);
+    idx.set_capacity(2, 20_000);
+    let doc = chain(51, 6_400);
+    let mut ages = Vec::new();
+    idx.insert_aging(2, &doc, &[], 0, &mut ages);
+    assert_eq!(ages.len(), 6_400);
+    assert!(ages.iter().all(|&a| a == AGE_UNKNOWN), "never sent before");
+    idx.allocated(2, 100);
+    let stamp = |i: usize| idx.find(doc[i]).unwrap().last_sent.load(Relaxed) & SENT_MASK;
+    let before = stamp(6_399);
+    let mut m = Matches::new();
+    let mut found = Vec::new();
+    idx.longest_matches_noting(&doc, &BackendSet::first(3), &mut m, &mut found);
+    assert_eq!(m[2], 6_400);
+    assert!(
+        found.len() <= MAX_GAP + 1,
+        "the lookup walked {} blocks",
+        found.len()
+    );
+    idx.insert_aging(2, &doc, &found, m[2], &mut ages);
+    assert_eq!(ages.len(), 6_400);
+    for (i, &a) in ages.iter().enumerate() {
+        if is_anchor(i) {
+            assert_eq!(a, 100, "anchor {i}");
+        } else {
+            assert_eq!(a, AGE_UNKNOWN, "block {i}");
+        }
+    }
+    assert_eq!(
+        stamp(6_399),
+        before,
+        "a block between anchors was not written"
+    );
+    assert_eq!(stamp(6_368), before + 100, "an anchor was stamped");
+    assert_eq!(idx.len(2), 6_400);
+}
+
+#[test]
+fn a_long_hot_prompt_outlives_colder_ones_by_its_anchors() {
+    // `touched_blocks_survive_eviction` on prompts with blocks past
+    // `DENSE_BLOCKS`: the hot one is sent again (its anchors touched),
+    // then the ring overflows: the cold prompt loses all but its first 200
+    // blocks, the hot one nothing.
+    let len = DENSE_BLOCKS + 400;
+    let idx = PrefixIndex::new(20_000);
+    idx.set_capacity(0, 2 * len + 200);
+    let hot = chain(61, len);
+    let cold = chain(62, len);
+    idx.insert(0, &hot);
+    idx.insert(0, &cold);
+    idx.insert(0, &hot);
+    idx.insert(0, &chain(63, len));
+    assert_eq!(idx.len(0), 2 * len + 200);
+    let mut m = Matches::new();
+    idx.longest_matches(&hot, &BackendSet::first(1), &mut m);
+    assert_eq!(m[0] as usize, len, "the hot prompt is kept whole");
+    idx.longest_matches(&cold, &BackendSet::first(1), &mut m);
+    assert_eq!(m[0], 200, "the cold one lost its tail");
+}
+
+#[test]
+fn blocks_queued_after_their_anchor_keep_up_with_it() {
+    // A conversation's turns end between anchors: each turn queues blocks
+    // after the anchor the previous turn queued. Sent again and again
+    // while other prompts stream through, it stays whole.
+    let d = DENSE_BLOCKS;
+    let idx = PrefixIndex::new(20_000);
+    idx.set_capacity(0, d + 2_000);
+    let conv = chain(71, d + 700);
+    for turn in [d + 100, d + 210, d + 330, d + 450, d + 700] {
+        idx.insert(0, &conv[..turn]);
+    }
+    for k in 0..30 {
+        idx.insert(0, &conv);
+        idx.insert(0, &chain(1_000 + k, 300));
+    }
+    let mut m = Matches::new();
+    idx.longest_matches(&conv, &BackendSet::first(1), &mut m);
+    assert_eq!(m[0] as usize, d + 700);
+    assert!(idx.len(0) <= d + 2_000);
+    // Every block of it is still tracked, not only what the search sees.
+    let held = conv
+        .iter()
+        .filter(|&&h| idx.find(h).and_then(|s| s.word_of(0)).is_some())
+        .count();
+    assert_eq!(held, d + 700);
+}
+
+#[test]
+fn a_lost_anchor_is_learned_again() {
+    let d = DENSE_BLOCKS;
+    let idx = PrefixIndex::new(10_000);
+    idx.set_capacity(4, 2_000);
+    let doc = chain(81, d + 300);
+    idx.insert(4, &doc);
+    for w in &idx.find(doc[d + 128]).unwrap().owners {
+        owners::remove(w, 4);
+    }
+    let mut ages = Vec::new();
+    idx.insert_aging(4, &doc, &[], (d + 300) as u32, &mut ages);
+    assert!(idx.find(doc[d + 128]).unwrap().word_of(4).is_some());
+    assert!(ages[d + 128] == AGE_UNKNOWN && ages[d + 96] == 0);
+    assert!(ages[d + 97] == AGE_UNKNOWN, "not an anchor");
+}
+
+/// The learning before issue 13, block by block, as the oracle of
+/// `learning_matches_the_walk_below_the_anchors` (ring entries as now).
+fn learn_block_by_block(
+    idx: &PrefixIndex,
+    backend: usize,
+    hashes: &[u64],
+    matched: u32,
+    ages: &mut Vec<u64>,
+) {
+    ages.clear();
+    let tag = (backend as u64) << SENT_SHIFT;
+    let alloc = hashes.len().saturating_sub(matched as usize) as u64;
+    let end = (idx.pushed[backend].fetch_add(alloc, Relaxed) + alloc) & SENT_MASK;
+    let now = end - alloc;
+    let age_of = |s: &Slot| {
+        let sent = s.last_sent.load(Relaxed);
+        if sent != 0 && sent & !SENT_MASK == tag {
+            now.saturating_sub(sent & SENT_MASK)
+        } else {
+            AGE_UNKNOWN
+        }
+    };
+    let mut first_new = hashes.len();
+    for (i, &h) in hashes.iter().enumerate() {
+        match idx.find(h).and_then(|s| Some((s, s.word_of(backend)?))) {
+            Some((s, word)) => {
+                owners::touch(word, backend);
+                ages.push(age_of(s));
+                s.last_sent.store(tag | end, Relaxed);
+            }
+            _ => {
+                first_new = i;
+                break;
+            }
+        }
+    }
+    if first_new == hashes.len() {
+        return;
+    }
+    let mut ring = idx.rings[backend].lock().unwrap();
+    ages.resize(hashes.len(), AGE_UNKNOWN);
+    for (i, &h) in hashes.iter().enumerate().skip(first_new).rev() {
+        let slot = idx.find_or_claim(h);
+        let (new, _) = slot.add_owner(backend);
+        if new {
+            ring.blocks.push_back([h, h]);
+            idx.tracked.fetch_add(1, Relaxed);
+        } else if let Some(word) = slot.word_of(backend) {
+            ages[i] = age_of(slot);
+            owners::touch(word, backend);
+        }
+        slot.last_sent.store(tag | end, Relaxed);
+    }
+    idx.ring_lens[backend].store(ring.blocks.len(), Relaxed);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Below `DENSE_BLOCKS` (every block an anchor), learning a prompt as
+    /// the router does (lookup, then learning what the chosen backend
+    /// matched) gives the ages and the matches the block-by-block learning
+    /// gave, send after send, on an index without displacement.
+    #[test]
+    fn learning_matches_the_walk_below_the_anchors(
+        shape in proptest::collection::vec((0usize..8, 0usize..400, 1usize..200), 1..8),
+        sends in proptest::collection::vec((0usize..3, 0usize..8, 0usize..600, 0u64..50), 1..40),
+    ) {
+        let prompts = prompt_tree(&shape);
+        let (new, old) = (PrefixIndex::new(1 << 16), PrefixIndex::new(1 << 16));
+        for b in 0..3 {
+            new.set_capacity(b, 1 << 14);
+            old.set_capacity(b, 1 << 14);
+        }
+        let every = BackendSet::first(3);
+        let (mut m_new, mut m_old) = (Matches::new(), Matches::new());
+        let (mut found, mut ages_new, mut ages_old) = (Vec::new(), Vec::new(), Vec::new());
+        for &(b, p, len, extra) in &sends {
+            let p = &prompts[p % prompts.len()];
+            let q = &p[..(len % (p.len() + 1)).min(DENSE_BLOCKS)];
+            if q.is_empty() {
+                continue;
+            }
+            new.longest_matches_noting(q, &every, &mut m_new, &mut found);
+            old.walk_matches(q, &every, &mut m_old, &mut Vec::new());
+            for x in 0..3 {
+                prop_assert_eq!(m_new[x], m_old[x], "backend {} on {} blocks", x, q.len());
+            }
+            new.insert_aging(b, q, &found, m_new[b], &mut ages_new);
+            learn_block_by_block(&old, b, q, m_old[b], &mut ages_old);
+            prop_assert_eq!(&ages_new, &ages_old, "backend {} on {} blocks", b, q.len());
+            new.allocated(b, extra);
+            old.allocated(b, extra);
+        }
+        prop_assert_eq!(new.evictions(), 0);
+    }
+}
