@@ -150,15 +150,14 @@ pub const BASELINE_SUFFIX: &str = "@baseline";
 /// Prints the capacity the router learned for each engine beside the real one.
 fn print_learned_capacity(r: &Router, qs: &QualityScenario) {
     let Ok(v) = r.backends() else { return };
-    let learned: Vec<u64> = v
-        .get("backends")
-        .and_then(|b| b.as_array())
-        .into_iter()
-        .flatten()
-        .filter_map(|b| b.get("learned_capacity_blocks")?.as_u64())
-        .collect();
+    let backends = v.get("backends").and_then(|b| b.as_array());
+    let field = |f: &dyn Fn(&serde_json::Value) -> Option<u64>| -> Vec<u64> {
+        backends.into_iter().flatten().filter_map(f).collect()
+    };
+    let learned = field(&|b| b.get("learned_capacity_blocks")?.as_u64());
+    let flushes = field(&|b| b.get("prediction")?.get("flushes")?.as_u64());
     eprintln!(
-        "  {}: learned capacity {learned:?} router blocks; each engine holds {} of its own 16-token blocks",
+        "  {}: learned capacity {learned:?} router blocks (each engine holds {} of its own 16-token blocks); flushes detected {flushes:?}",
         qs.name, qs.kv_blocks
     );
 }
