@@ -99,7 +99,17 @@ fn a_flushed_engine_is_forgotten_and_the_error_is_exported() {
         assert_eq!(&b, victim);
         assert_eq!(cached, 0);
     }
-    let after = router.backend(victim);
+    // The router reads an answer's usage after the client has it, and
+    // counts the flush before it clears the index: wait for both (bounded).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let after = loop {
+        let b = router.backend(victim);
+        let done = b["prediction"]["flushes"] == 1 && b["index_blocks"].as_u64() <= Some(64);
+        if done || std::time::Instant::now() > deadline {
+            break b;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
     assert_eq!(after["prediction"]["flushes"], 1, "{after}");
     let blocks = after["index_blocks"].as_u64().unwrap();
     assert!(
