@@ -599,26 +599,31 @@ mod tests {
         }
     }
 
+    /// Feeds `f` 400 reports of an LRU engine that keeps the leading
+    /// blocks younger than `keeps` (ages grow along the prompt) while its
+    /// running requests hold `pinned` blocks.
+    fn observe_lru(f: &Feedback, keeps: u64, pinned: u32, seed: u64) {
+        let mut rng = seed;
+        for _ in 0..400 {
+            rng = crate::route::select::mix(rng);
+            let a = ages(rng % 3000);
+            let held = a.iter().take_while(|&&x| x < keeps).count() as u32;
+            let u = Usage {
+                prompt_tokens: 1600,
+                cached_tokens: held * 16,
+                completion_tokens: 0,
+            };
+            f.observe(u, 100, &a, pinned);
+        }
+    }
+
     #[test]
     fn the_capacity_converges_to_where_the_engine_evicts() {
         // An LRU engine keeping blocks up to 1,500 new blocks old.
         let real = 1500u64;
         for start in [65_536usize, 300] {
             let f = Feedback::new(start);
-            let mut rng = 12345u64;
-            for _ in 0..400 {
-                rng = crate::route::select::mix(rng);
-                let a = ages(rng % 3000);
-                // The engine holds the leading blocks younger than `real`
-                // (ages grow along the prompt).
-                let held = a.iter().take_while(|&&x| x < real).count() as u32;
-                let u = Usage {
-                    prompt_tokens: 1600,
-                    cached_tokens: held * 16,
-                    completion_tokens: 0,
-                };
-                f.observe(u, 100, &a, 0);
-            }
+            observe_lru(&f, real, 0, 12345);
             let c = f.capacity() as f64;
             assert!(
                 (c - real as f64).abs() < 0.25 * real as f64,
@@ -634,18 +639,7 @@ mod tests {
         // capacity is still 1,500 (the index tracks the running prompts too).
         let (real, pinned) = (1500u64, 600u64);
         let f = Feedback::new(65_536);
-        let mut rng = 99u64;
-        for _ in 0..400 {
-            rng = crate::route::select::mix(rng);
-            let a = ages(rng % 3000);
-            let held = a.iter().take_while(|&&x| x < real - pinned).count() as u32;
-            let u = Usage {
-                prompt_tokens: 1600,
-                cached_tokens: held * 16,
-                completion_tokens: 0,
-            };
-            f.observe(u, 100, &a, pinned as u32);
-        }
+        observe_lru(&f, real - pinned, pinned as u32, 99);
         let c = f.capacity() as f64;
         assert!(
             (c - real as f64).abs() < 0.25 * real as f64,
