@@ -30,9 +30,27 @@ const FLEET_WATCH: std::time::Duration = std::time::Duration::from_millis(100);
 
 type Runtime = monoio::Runtime<monoio::time::TimeDriver<monoio::IoUringDriver>>;
 
+/// A worker's runtime. Its ring is set up with `COOP_TASKRUN`: a completion
+/// that arrives while the worker runs (a peer's data, delivered by the other
+/// core) waits for the worker's next entry to the kernel, which the event
+/// loop makes at every turn, instead of interrupting it with an IPI. At 64
+/// connections of tiny requests that cut the router's CPU per request from
+/// 20.5-24.4 us to 17.7 us and raised throughput 13-35% (ARCHITECTURE.md,
+/// "io_uring runtime"). Kernels before 5.19 refuse the flag: the ring is
+/// then set up without it.
 fn runtime() -> std::io::Result<Runtime> {
+    let mut coop = io_uring::IoUring::builder();
+    coop.setup_coop_taskrun();
+    build_runtime(coop).or_else(|e| {
+        tracing::debug!(error = %e, "io_uring without COOP_TASKRUN");
+        build_runtime(io_uring::IoUring::builder())
+    })
+}
+
+fn build_runtime(urb: io_uring::Builder) -> std::io::Result<Runtime> {
     monoio::RuntimeBuilder::<monoio::IoUringDriver>::new()
         .with_entries(RING_ENTRIES)
+        .uring_builder(urb)
         .enable_timer()
         .build()
 }
