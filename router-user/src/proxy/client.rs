@@ -20,8 +20,12 @@ use crate::router::PromptBlocks;
 /// so idle connections stay small.
 const KEEP_BUFFER: usize = 64 * 1024;
 
-/// A body buffer grows by half its size (at least one read chunk) at a
-/// time, as bytes arrive: never by the declared length up front.
+/// A body buffer doubles (growing by at least one read chunk, and at once
+/// to the connection's free `budget::FREE_BYTES`) as bytes arrive: never
+/// by the declared length up front, so what a connection holds past its
+/// free share stays within twice what it was sent. Growing by half from
+/// 8 KB made a 400 KB body take nine reallocations and 12.8 `io_uring`
+/// operations per request (ARCHITECTURE.md, "Reading a body").
 const GROW_MIN: usize = crate::proxy::io::READ_CHUNK;
 
 /// After a 413 or 503 with a body unread, how long the router keeps reading
@@ -249,7 +253,9 @@ fn grow(
         return Ok(());
     }
     let cap = buf.capacity();
-    let mut target = (cap + cap / 2).max(buf.len() + GROW_MIN);
+    // Up to `FREE_BYTES` at once: a connection holds that much without
+    // charge anyway, and a body that small then takes one read, not four.
+    let mut target = (cap * 2).max(buf.len() + GROW_MIN).max(budget::FREE_BYTES);
     if let Some(end) = end {
         target = target.min(end + crate::proxy::io::MIN_SPARE);
     }
