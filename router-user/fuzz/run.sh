@@ -51,3 +51,7 @@ if ((${#failed[@]})); then
     exit 1
 fi
 echo "fuzz: all targets ran ${SECS}s without a crash"
+# A clean CI clone never reuses the sanitizer build: give its disk back.
+if [[ -n "${CI:-}" && -z "${FUZZ_TARGET_DIR:-}" ]]; then
+    rm -rf "$CARGO_TARGET_DIR"
+fi
