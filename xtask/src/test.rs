@@ -105,10 +105,7 @@ fn cargo_cmd() -> Command {
 }
 
 pub fn cargo(args: &[&str]) -> anyhow::Result<()> {
-    run_cmd(
-        cargo_cmd().args(args),
-        &format!("cargo {}", args.join(" ")),
-    )
+    run_cmd(cargo_cmd().args(args), &format!("cargo {}", args.join(" ")))
 }
 
 fn run_cmd(cmd: &mut Command, what: &str) -> anyhow::Result<()> {
