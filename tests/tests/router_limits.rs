@@ -3,7 +3,7 @@
 //! with Retry-After; a connection over `limits.max_client_connections` gets
 //! 503 and is closed, and the next one is served once a slot frees.
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -132,20 +132,47 @@ fn read_to_close(s: &mut TcpStream) -> Vec<u8> {
     }
 }
 
+/// A connection the router accepted and answered a request on, kept alive.
+fn held_connection(addr: std::net::SocketAddr) -> TcpStream {
+    let deadline = Instant::now() + SETTLE;
+    loop {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        s.write_all(b"GET /v1/models HTTP/1.1\r\nhost: router\r\n\r\n")
+            .unwrap();
+        let mut got = Vec::new();
+        let mut tmp = [0u8; 4096];
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            match s.read(&mut tmp) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&tmp[..n]),
+            }
+        }
+        if got.starts_with(b"HTTP/1.1 200") {
+            return s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a held connection was never served: {:?}",
+            String::from_utf8_lossy(&got)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 #[test]
 fn connections_over_the_limit_get_503_and_are_closed() {
     let e = SimEngine::spawn(&["--time-scale", "0"]);
     let r = Router::spawn(&[e.url()], &[], "[limits]\nmax_client_connections = 4\n");
-    // Four idle connections hold every slot.
-    let held: Vec<TcpStream> = (0..4)
-        .map(|_| TcpStream::connect(r.addr).unwrap())
-        .collect();
-    // The router counts a connection when it accepts it; give it a moment.
+    // Four kept-alive connections hold every slot. Each is known to be
+    // counted once it was answered: a bare connect is accepted later, by
+    // whichever worker's queue it landed in, so a probe could take a slot
+    // first and a held connection be the one refused.
+    let held: Vec<TcpStream> = (0..4).map(|_| held_connection(r.addr)).collect();
     let deadline = Instant::now() + SETTLE;
     let refused = loop {
         let mut s = TcpStream::connect(r.addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_millis(500)))
-            .unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
         // Nothing is sent: the router answers a refused connection at once
         // (and unread request bytes would turn its close into a reset).
         let got = String::from_utf8_lossy(&read_to_close(&mut s)).into_owned();

@@ -44,7 +44,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "fuzzing",
         )?;
     }
-    let mut test_args = vec!["test", "--workspace"];
+    // Every test binary runs even after one fails: the count says all.
+    let mut test_args = vec!["test", "--workspace", "--no-fail-fast"];
     test_args.extend(args.rest.iter().map(String::as_str));
     let (passed, failed, ok) = cargo_test(&test_args)?;
     println!("tests: {passed} passed, {failed} failed");
