@@ -231,6 +231,7 @@ fn selection(c: &mut Criterion) {
                         cold_key: ticket,
                         session_key: None,
                         ticket,
+                        answered: None,
                     };
                     black_box(select(policy, black_box(&input), &loads, &params))
                 })
@@ -372,6 +373,7 @@ fn fleet_size(c: &mut Criterion) {
                     cold_key: hashes[0],
                     session_key: None,
                     ticket,
+                    answered: None,
                 };
                 let choice = select(Policy::Prefix, &input, &loads, &params);
                 assert_eq!(choice.first(), Some(holder));

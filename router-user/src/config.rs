@@ -164,7 +164,8 @@ pub struct PrefixConfig {
     /// run 25% over the mean before sharing its prefix gets cheaper.
     pub epsilon: f64,
     /// Absolute headroom of the bounds, so small fleets at low load are not
-    /// forced apart by a single request.
+    /// forced apart by a single request. 3 (measured with `hold_private`,
+    /// beside 2).
     pub slack: u32,
     /// Cost of one request already in flight on a backend, in blocks of
     /// prefill: a running decode slows a new prompt's prefill a little.
@@ -195,6 +196,30 @@ pub struct PrefixConfig {
     /// this has no history at stake: the balance bound is a hard cap for it.
     /// 4 blocks (about 64 tokens): less than any turn of a conversation.
     pub sticky_min_blocks: u32,
+    /// Conversations are held, new ones kept with their prompt: a chat
+    /// holding an earlier answer (a conversation past its first turn; for
+    /// other endpoints, a lead of `sticky_min_blocks`) stays on its longest
+    /// holder up to the safety cap, and the balance bound does not move it;
+    /// a chat without one (a new conversation) is private to no engine and
+    /// goes where its prompt is, within the balance bound and
+    /// `shared_gap`. On: 74.7% against 66.8% on pressure-unpublished and
+    /// TTFT p99 472 ms against 785 ms on hot-prompt, side by side
+    /// (BENCHMARKS.md, session 6). Off: the lead alone decides, and the
+    /// balance bound moves conversations.
+    pub hold_private: bool,
+    /// Block-equivalents of each request in flight for a request with no
+    /// private lead. 2 (as `in_flight_cost_blocks`): a new conversation
+    /// stays with its prompt's engines unless `shared_gap` or the bound
+    /// says otherwise; 64 spread new conversations at a gap of 2 to 3,
+    /// which split system prompts on fluctuations and cost hits.
+    pub shared_in_flight_cost_blocks: f64,
+    /// A request with no private lead does not go to a backend with this
+    /// many more requests in flight than the least loaded one (0: off). 4:
+    /// at 24 users on 3 engines the gap is 4 or more at a fifth of
+    /// arrivals, on a prompt hot enough to queue at most of them; the
+    /// mean-relative bound alone let two engines holding a hot prompt
+    /// reach 20 before a third got it.
+    pub shared_gap: u32,
     /// Blocks a backend must hold for the request to count as warm there.
     pub min_match_blocks: u32,
     /// Leading blocks that key cold prompts (256 bytes: a system prompt's start).
@@ -232,13 +257,16 @@ impl Default for PrefixConfig {
         PrefixConfig {
             block_bytes: DEFAULT_BLOCK_BYTES,
             epsilon: 0.25,
-            slack: 2,
+            slack: 3,
             in_flight_cost_blocks: 2.0,
             overload_cost_blocks: 64.0,
             safety_factor: 1.5,
             pressure_slack: 0.1,
             move_cost: 0.5,
             sticky_min_blocks: 4,
+            hold_private: true,
+            shared_in_flight_cost_blocks: 2.0,
+            shared_gap: 4,
             min_match_blocks: 1,
             cold_key_blocks: 4,
             kv_blocks: 65_536,
@@ -263,6 +291,9 @@ impl PrefixConfig {
             pressure_slack: self.pressure_slack,
             move_cost: self.move_cost,
             sticky_min_blocks: self.sticky_min_blocks,
+            hold_private: self.hold_private,
+            shared_in_flight_cost_blocks: self.shared_in_flight_cost_blocks,
+            shared_gap: self.shared_gap,
         }
     }
 }

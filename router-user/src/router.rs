@@ -104,6 +104,9 @@ pub struct RouteScratch {
     ranks: Vec<u8>,
     /// The last routed request's cold key (for [`Router::scores`]).
     cold_key: u64,
+    /// Whether the last routed chat held an earlier answer (`None`: not a
+    /// chat).
+    answered: Option<bool>,
     /// Precise mode: the request's engine tokens and their rendered text,
     /// and the extra keys of its first block (its cache salt).
     tokens: Vec<u32>,
@@ -293,9 +296,11 @@ impl Router {
         let (seed, user, has_prompt) = match query.endpoint {
             Some(ep) => {
                 let p = scan(ep, query.body, &mut scratch.canon)?;
+                scratch.answered = (ep == Endpoint::Chat).then(|| scratch.canon.answered());
                 (p.seed, p.user, true)
             }
             None => {
+                scratch.answered = None;
                 scratch.canon.clear();
                 scratch.carry.clear();
                 (0, None, false)
@@ -391,6 +396,7 @@ impl Router {
             cold_key: scratch.cold_key,
             session_key: session,
             ticket,
+            answered: scratch.answered,
         };
         blocks.prefix = policy == Policy::Prefix;
         let policy = if has_prompt {
@@ -489,6 +495,7 @@ impl Router {
             cold_key: scratch.cold_key,
             session_key: None,
             ticket: 0,
+            answered: scratch.answered,
         };
         select::prefix_scores(&input, &scratch.loads, &self.config.load().prefix.params())
     }

@@ -41,6 +41,9 @@ pub struct Canonical {
     model: Vec<u8>,
     /// The body's `lora_path` (empty: none), for the model filter.
     adapter: Vec<u8>,
+    /// A chat message has the role `assistant`: the conversation is past
+    /// its first turn.
+    answered: bool,
 }
 
 impl Canonical {
@@ -62,6 +65,14 @@ impl Canonical {
         self.salt.clear();
         self.model.clear();
         self.adapter.clear();
+        self.answered = false;
+    }
+
+    /// Whether a chat holds an earlier answer (a message of role
+    /// `assistant`): a conversation past its first turn, whose history is
+    /// at stake where it is cached.
+    pub fn answered(&self) -> bool {
+        self.answered
     }
 
     /// Whether the prompt was given as token ids (precise mode tokenizes
@@ -817,6 +828,11 @@ impl<'a> Scanner<'a, '_> {
         let Some(role) = role else {
             return self.bad("a message lacks its 'role'");
         };
+        let role_bytes = match role {
+            Str::Raw(a, e) => &self.b[a..e],
+            Str::Decoded(a, e) => &role_buf[a..e],
+        };
+        self.canon.answered |= role_bytes == b"assistant";
         if write {
             // The content's pieces (pushed since `mark`) go after the header.
             let content: Vec<Piece> = self.canon.pieces.drain(mark..).collect();

@@ -138,6 +138,9 @@ pub struct PrefixParams {
     pub pressure_slack: f64,
     pub move_cost: f64,
     pub sticky_min_blocks: u32,
+    pub hold_private: bool,
+    pub shared_in_flight_cost_blocks: f64,
+    pub shared_gap: u32,
 }
 
 /// What the request brings to selection.
@@ -153,6 +156,10 @@ pub struct RouteInput<'a> {
     pub session_key: Option<u64>,
     /// A counter (round-robin) or random number (random, power-of-two).
     pub ticket: u64,
+    /// Chats: whether the chat holds an earlier answer, a conversation past
+    /// its first turn (`None`: not a chat). With `hold_private` it decides
+    /// what is private, instead of the longest holder's lead.
+    pub answered: Option<bool>,
 }
 
 /// Why the first choice was made, for metrics and `/admin/explain`.
@@ -250,6 +257,8 @@ struct PrefixView {
     bound: u64,
     /// No backend at or above this load (safety cap).
     cap: u64,
+    /// No request without a private lead at or above this load.
+    shared_cap: u64,
     /// The longest match over eligible backends.
     longest: u32,
     /// The longest holder's lead over the next: fewer than
@@ -287,9 +296,11 @@ pub struct Score {
 impl PrefixView {
     fn new(input: &RouteInput, loads: &[BackendLoad], p: &PrefixParams) -> PrefixView {
         let (mut total, mut n, mut longest, mut second) = (0u64, 0u64, 0u32, 0u32);
+        let mut least = u64::MAX;
         for (b, l) in loads.iter().enumerate() {
             if l.eligible {
                 total += l.load();
+                least = least.min(l.load());
                 n += 1;
                 let m = input.matches.get(b).copied().unwrap_or(0);
                 if m > longest {
@@ -301,13 +312,23 @@ impl PrefixView {
             }
         }
         let mean = (total + 1) as f64 / n.max(1) as f64;
+        let bound = (((1.0 + p.epsilon) * mean).floor() as u64 + u64::from(p.slack)).max(1);
+        let shared_cap = if p.shared_gap == 0 || least == u64::MAX {
+            bound
+        } else {
+            bound.min(least + u64::from(p.shared_gap))
+        };
         PrefixView {
-            bound: (((1.0 + p.epsilon) * mean).floor() as u64 + u64::from(p.slack)).max(1),
+            bound,
+            shared_cap,
             cap: ((p.safety_factor.max(1.0 + p.epsilon) * mean).floor() as u64
                 + u64::from(p.slack))
             .max(1),
             longest,
-            shared: longest - second < p.sticky_min_blocks,
+            shared: match input.answered {
+                Some(answered) if p.hold_private => !answered,
+                _ => longest - second < p.sticky_min_blocks,
+            },
         }
     }
 
@@ -320,7 +341,7 @@ impl PrefixView {
             (l.load() + 1).saturating_sub(self.bound)
         };
         let per_request = if self.shared {
-            p.overload_cost_blocks
+            p.shared_in_flight_cost_blocks
         } else {
             p.in_flight_cost_blocks
         };
@@ -349,7 +370,13 @@ impl PrefixView {
             overload_blocks: overload,
             prefill_blocks_per_s: rate,
             predicted_ttft_s: work / rate,
-            capped: !l.eligible || l.load() >= if self.shared { self.bound } else { self.cap },
+            capped: !l.eligible
+                || l.load()
+                    >= if self.shared {
+                        self.shared_cap
+                    } else {
+                        self.cap
+                    },
             pressure: l.pressure(),
         }
     }
@@ -399,8 +426,12 @@ fn prefix(
             if s.capped {
                 continue;
             }
+            // A conversation's longest holder is bounded by the safety cap
+            // alone when private leads are held.
+            let held = p.hold_private && !view.shared && s.matched_blocks >= view.longest;
             if tier == Tier::HoldsStartUnderBound
-                && (l.load() >= view.bound || (!holds_start(&s) && unloaded(&s) >= holder_ttft))
+                && ((l.load() >= view.bound && !held)
+                    || (!holds_start(&s) && unloaded(&s) >= holder_ttft))
             {
                 continue;
             }

@@ -320,3 +320,22 @@ fn each_adapter_keys_its_own_prefix_chain() {
         (&b"llama"[..], &b"sql-lora"[..])
     );
 }
+
+#[test]
+fn a_chat_holding_an_answer_is_a_conversation_past_its_first_turn() {
+    let answered = |body: &str| {
+        let mut c = Canonical::default();
+        scan(Endpoint::Chat, body.as_bytes(), &mut c).unwrap();
+        c.answered()
+    };
+    let first = r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"q"}]}"#;
+    assert!(!answered(first));
+    let later = r#"{"messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"},{"role":"user","content":"q2"}]}"#;
+    assert!(answered(later));
+    // Escaped, and after its content.
+    let escaped =
+        r#"{"messages":[{"content":"a","role":"assist\u0061nt"},{"role":"user","content":"q"}]}"#;
+    assert!(answered(escaped));
+    // The next body on the same scratch starts over.
+    assert!(!answered(first));
+}

@@ -11,6 +11,20 @@ const P: PrefixParams = PrefixParams {
     pressure_slack: 0.1,
     move_cost: 1.0,
     sticky_min_blocks: 32,
+    hold_private: false,
+    shared_in_flight_cost_blocks: 64.0,
+    shared_gap: 0,
+};
+
+/// The defaults' way with conversations and new ones (see `config.rs`):
+/// histories held to the safety cap, new conversations kept with their
+/// prompt until its engines are `shared_gap` requests over the idlest.
+const HOLD: PrefixParams = PrefixParams {
+    slack: 3,
+    hold_private: true,
+    shared_in_flight_cost_blocks: 2.0,
+    shared_gap: 4,
+    ..P
 };
 
 fn fleet(n: usize) -> Vec<BackendLoad> {
@@ -30,6 +44,7 @@ fn input(matches: &[u32], blocks: u32, key: u64) -> RouteInput<'_> {
         cold_key: key,
         session_key: None,
         ticket: 0,
+        answered: None,
     }
 }
 
@@ -248,6 +263,63 @@ fn explained_scores_agree_with_the_choice() {
     assert_eq!(scores.len(), 4);
 }
 
+#[test]
+fn a_held_history_stays_past_the_balance_bound_up_to_the_safety_cap() {
+    // Mean (5 + 1 + 1) / 3 = 2.33: bound floor(1.25 * 2.33) + 3 = 5, safety
+    // cap floor(2 * 2.33) + 3 = 7. Backend 1 holds the system prompt too:
+    // without holding, the conversation would move there (see above).
+    let mut loads = fleet(3);
+    loads[0].in_flight = 5;
+    loads[1].in_flight = 1;
+    let m = [300, 20, 0];
+    let c = select(Policy::Prefix, &input(&m, 310, 1), &loads, &HOLD);
+    assert_eq!(c.first(), Some(0));
+    assert_eq!(c.decision, Decision::Warm);
+    // At the safety cap it moves after all: mean 14 / 3, cap 9 + 3 = 12.
+    loads[0].in_flight = 12;
+    let c = select(Policy::Prefix, &input(&m, 310, 1), &loads, &HOLD);
+    assert_eq!(c.first(), Some(1));
+    assert_eq!(c.decision, Decision::Bounded);
+}
+
+#[test]
+fn a_new_conversation_stays_with_its_prompt_until_the_gap() {
+    // The prompt (100 blocks) on backends 0 and 1; backend 2 lacks it.
+    let mut loads = fleet(3);
+    let m = [100, 100, 0];
+    // Three more in flight than the idlest: a fluctuation, the prompt's
+    // engines keep it (a copy on a third engine costs its prefill and room).
+    loads[0].in_flight = 3;
+    loads[1].in_flight = 3;
+    for key in 0..16 {
+        let c = select(Policy::Prefix, &input(&m, 110, key), &loads, &HOLD);
+        assert_ne!(c.first(), Some(2), "key {key}");
+    }
+    // Two crowded engines, one idle (the mean-relative bound would let them
+    // reach 20 before a third engine got the prompt): the idle one gets it.
+    loads[0].in_flight = 8;
+    loads[1].in_flight = 8;
+    let c = select(Policy::Prefix, &input(&m, 110, 1), &loads, &HOLD);
+    assert_eq!(c.first(), Some(2));
+    assert_eq!(c.decision, Decision::Bounded);
+}
+
+#[test]
+fn a_chat_past_its_first_turn_is_held_and_a_first_turn_spreads() {
+    // One engine holds 100 blocks; 8 requests in flight there, none
+    // elsewhere (safety cap floor(2 * 3) + 3 = 9, the gap's cap 0 + 4).
+    // The lead is the same either way: the chat's answers say whether it
+    // is a conversation's history or a system prompt.
+    let mut loads = fleet(3);
+    loads[0].in_flight = 8;
+    let m = [100, 0, 0];
+    let mut i = input(&m, 110, 1);
+    i.answered = Some(true);
+    assert_eq!(select(Policy::Prefix, &i, &loads, &HOLD).first(), Some(0));
+    i.answered = Some(false);
+    assert_ne!(select(Policy::Prefix, &i, &loads, &HOLD).first(), Some(0));
+}
+
 proptest! {
     /// The prefix policy never sends a request to a backend at or over the
     /// safety cap while some backend is under it.
@@ -258,18 +330,20 @@ proptest! {
         let loads: Vec<BackendLoad> = loads_in.iter().enumerate().map(|(i, &(f, q, e))| BackendLoad {
             eligible: e, in_flight: f, queued_prefill_blocks: q, id_hash: mix(i as u64), ..Default::default()
         }).collect();
-        let c = select(Policy::Prefix, &input(&matches[..loads.len()], 100, key), &loads, &P);
-        let eligible: Vec<_> = loads.iter().filter(|l| l.eligible).collect();
-        if eligible.is_empty() {
-            prop_assert_eq!(c.len, 0);
-        } else {
-            let total: u64 = eligible.iter().map(|l| u64::from(l.in_flight)).sum();
-            let cap = (P.safety_factor * ((total + 1) as f64 / eligible.len() as f64)).floor() as u64 + u64::from(P.slack);
-            let chosen = &loads[c.first().unwrap()];
-            prop_assert!(chosen.eligible);
-            let someone_under = eligible.iter().any(|l| u64::from(l.in_flight) < cap);
-            if someone_under {
-                prop_assert!(u64::from(chosen.in_flight) < cap, "chose load {} with cap {}", chosen.in_flight, cap);
+        for p in [P, HOLD] {
+            let c = select(Policy::Prefix, &input(&matches[..loads.len()], 100, key), &loads, &p);
+            let eligible: Vec<_> = loads.iter().filter(|l| l.eligible).collect();
+            if eligible.is_empty() {
+                prop_assert_eq!(c.len, 0);
+            } else {
+                let total: u64 = eligible.iter().map(|l| u64::from(l.in_flight)).sum();
+                let cap = (p.safety_factor * ((total + 1) as f64 / eligible.len() as f64)).floor() as u64 + u64::from(p.slack);
+                let chosen = &loads[c.first().unwrap()];
+                prop_assert!(chosen.eligible);
+                let someone_under = eligible.iter().any(|l| u64::from(l.in_flight) < cap);
+                if someone_under {
+                    prop_assert!(u64::from(chosen.in_flight) < cap, "chose load {} with cap {}", chosen.in_flight, cap);
+                }
             }
         }
     }
