@@ -17,10 +17,15 @@
 //!    enough to crowd one engine gets a second engine (it is replicated)
 //!    while a long conversation history still outweighs a small imbalance.
 //! 3. *Safety cap*: no backend at or above `safety_factor * mean + slack`.
-//!    When the longest holder leads the next by fewer than
-//!    `sticky_min_blocks` (nothing private at stake: a new conversation on
-//!    a shared, replicated prompt) the balance bound itself is the cap, so
-//!    new conversations spread evenly and then stay where they started.
+//!    With `hold_private` a conversation past its first turn (a chat
+//!    holding an answer) stays on its longest holder up to it, whatever
+//!    the balance bound says. A request with nothing private at stake (a
+//!    new conversation: a chat without an answer, or a longest holder
+//!    leading the next by fewer than `sticky_min_blocks`) is capped by the
+//!    balance bound and by `shared_gap` requests over the least loaded
+//!    backend, so new conversations stay with their prompt through small
+//!    fluctuations and a prompt hot enough to crowd its engines gets
+//!    another.
 //! 4. *Cold* (no backend holds `min_match_blocks`): rendezvous hashing on
 //!    the prompt's first blocks, skipping backends over the balance bound or
 //!    whose cache holds more than the emptiest's by `pressure_slack` of the
