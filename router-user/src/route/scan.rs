@@ -828,11 +828,7 @@ impl<'a> Scanner<'a, '_> {
         let Some(role) = role else {
             return self.bad("a message lacks its 'role'");
         };
-        let role_bytes = match role {
-            Str::Raw(a, e) => &self.b[a..e],
-            Str::Decoded(a, e) => &role_buf[a..e],
-        };
-        self.canon.answered |= role_bytes == b"assistant";
+        self.canon.answered |= role.bytes(self.b, &role_buf) == b"assistant";
         if write {
             // The content's pieces (pushed since `mark`) go after the header.
             let content: Vec<Piece> = self.canon.pieces.drain(mark..).collect();
