@@ -21,6 +21,14 @@ impl SimEngine {
     /// # Panics
     /// If it does not start, with its stderr in the message.
     pub fn spawn(args: &[&str]) -> SimEngine {
+        Self::try_spawn(args).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`spawn`](Self::spawn), with a failure to start as an error (its
+    /// stderr in the message), for callers that retry: ports picked by
+    /// binding and closing can be taken by another test before the engine
+    /// binds them.
+    pub fn try_spawn(args: &[&str]) -> Result<SimEngine, String> {
         let mut cmd = Command::new(crate::bin_path("sim-engine"));
         if !args.contains(&"--listen") {
             cmd.args(["--listen", "127.0.0.1:0"]);
@@ -31,10 +39,13 @@ impl SimEngine {
         }
         let child = Spawned::spawn(cmd, "sim-engine").expect("spawn sim-engine");
         let Some(line) = child.wait_stdout_line("listening on ", START_TIMEOUT) else {
-            panic!("sim-engine did not start:\n{}", child.stderr_tail(4096));
+            return Err(format!(
+                "sim-engine did not start:\n{}",
+                child.stderr_tail(4096)
+            ));
         };
         let addr = line.trim().parse().expect("address after `listening on`");
-        SimEngine { addr, child }
+        Ok(SimEngine { addr, child })
     }
 
     /// One `sim-engine` process serving `ports` engines (`--ports`) on
