@@ -172,6 +172,9 @@ impl Bystander {
 fn smuggling_shapes_are_refused_and_never_reach_the_engine() {
     let e = SimEngine::spawn(&["--time-scale", "0"]);
     let r = Router::spawn(&[e.url()], &[], &config());
+    // Counted before the bystander starts: its first request can be served
+    // before the cases below are built.
+    let before = SimEngine::requests_served(&e);
     let bystander = Bystander::start(r.addr);
     // A second request hidden in the body: if any framing let it through, the
     // engine would count a generation.
@@ -282,7 +285,6 @@ fn smuggling_shapes_are_refused_and_never_reach_the_engine() {
             413,
         ),
     ];
-    let before = SimEngine::requests_served(&e);
     for (what, raw, status) in &cases {
         let answers = exchange(r.addr, raw.as_bytes());
         assert_eq!(answers.len(), 1, "{what}: exactly one answer");
