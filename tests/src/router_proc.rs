@@ -153,6 +153,30 @@ impl Router {
         }
     }
 
+    /// Waits (up to 10 s) until every backend's models are discovered
+    /// (`GET /v1/models` answered). Until then the model table changes
+    /// under the requests (a backend whose models are unknown is only a
+    /// fallback), so a prompt sent twice across its rebuild could be routed
+    /// on two footings: tests that assert where a repeat goes wait first.
+    ///
+    /// # Panics
+    /// If some backend's models are still unknown after 10 s.
+    pub fn wait_models_known(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let backends = self.backends();
+            let known = |b: &serde_json::Value| b["models"].as_array().is_some_and(|m| !m.is_empty());
+            if backends.iter().all(known) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "models never discovered: {backends:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// `GET /metrics` on the admin listener: the Prometheus text.
     ///
     /// # Panics

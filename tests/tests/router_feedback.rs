@@ -57,18 +57,7 @@ fn a_flushed_engine_is_forgotten_and_the_error_is_exported() {
     let engines = SimEngine::fleet(2, &["--time-scale", "0"]);
     let urls: Vec<String> = engines.iter().map(SimEngine::url).collect();
     let router = Router::spawn(&urls, &["--debug-headers"], "");
-    // Until both engines' models are discovered the model table changes
-    // under the requests (an unknown backend is only a fallback), so a
-    // repeat could be routed on another footing than its first send.
-    for u in &urls {
-        assert!(
-            router.wait_backend(u, std::time::Duration::from_secs(10), |b| b["models"]
-                .as_array()
-                .is_some_and(|m| !m.is_empty())),
-            "models of {u} never discovered: {}",
-            router.backend(u)
-        );
-    }
+    router.wait_models_known();
     // Eight documents, each sent twice: the second time is a predicted hit.
     let docs: Vec<String> = (0..8).map(|i| doc(i, 64)).collect();
     let mut placed = Vec::new();

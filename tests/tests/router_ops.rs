@@ -92,6 +92,7 @@ fn explain_says_where_a_request_would_go_and_why() {
         &["--debug-headers"],
         "",
     );
+    r.wait_models_known();
     let body =
         serde_json::to_vec(&chat(&"You are a support bot for ACME. ".repeat(20), 1)).unwrap();
     let before = admin_post(&r, "/admin/explain", &body).json();

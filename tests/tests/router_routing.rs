@@ -31,6 +31,7 @@ fn conversations_stay_on_their_backend() {
     let e = SimEngine::fleet(3, &["--time-scale", "0"]);
     // Debug headers: the records name the engine that answered.
     let r = Router::spawn(&urls(&e), &["--debug-headers"], "");
+    r.wait_models_known();
     let (records, s) = run(&r, Scenario::new(ScenarioKind::Chat), 6, 90);
     assert_eq!(s.ok, 90, "{s}");
     let mut by_session: HashMap<u64, Vec<String>> = HashMap::new();
