@@ -189,7 +189,8 @@ fn index(c: &mut Criterion) {
             let (backend, hashes) = &long[j];
             idx.longest_matches_noting(hashes, &all, &mut m, &mut found);
             let matched = m[*backend];
-            idx.insert_aging(*backend, hashes, &found, matched, &mut ages);
+            let now = idx.insert_aging(*backend, hashes, &found, &mut ages);
+            idx.distinct_ages(*backend, now, &mut ages);
             black_box(matched)
         })
     });

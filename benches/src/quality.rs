@@ -156,8 +156,9 @@ fn print_learned_capacity(r: &Router, qs: &QualityScenario) {
     };
     let learned = field(&|b| b.get("learned_capacity_blocks")?.as_u64());
     let flushes = field(&|b| b.get("prediction")?.get("flushes")?.as_u64());
+    let rates = field(&|b| Some(b.get("prefill_blocks_per_s")?.as_f64()? as u64));
     eprintln!(
-        "  {}: learned capacity {learned:?} router blocks (each engine holds {} of its own 16-token blocks); flushes detected {flushes:?}",
+        "  {}: learned capacity {learned:?} router blocks (each engine holds {} of its own 16-token blocks); flushes detected {flushes:?}; prefill rates {rates:?} blocks/s",
         qs.name, qs.kv_blocks
     );
 }

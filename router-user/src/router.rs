@@ -533,8 +533,7 @@ impl Router {
     }
 
     /// Records that `backend` was sent the prompt with these block hashes.
-    /// `matched`: blocks of it the index said the backend held.
-    pub fn learn(&self, backend: &Backend, blocks: &mut PromptBlocks, matched: u32) {
+    pub fn learn(&self, backend: &Backend, blocks: &mut PromptBlocks) {
         blocks.ages.clear();
         blocks.slot = None;
         if let Some(p) = &self.precise
@@ -560,13 +559,14 @@ impl Router {
             }
             return;
         }
-        self.index.insert_aging(
+        let now = self.index.insert_aging(
             backend.slot,
             &blocks.hashes,
             &blocks.found,
-            matched,
             &mut blocks.ages,
         );
+        self.index
+            .distinct_ages(backend.slot, now, &mut blocks.ages);
     }
 }
 
@@ -633,20 +633,12 @@ impl Router {
         let slot = backend.slot;
         let pinned = backend.load.in_flight_blocks();
         let prompt_blocks = blocks.hashes.len() as u32;
-        let held = usage.held_blocks(prompt_blocks);
         // The engine's cache takes the generated tokens too (the next turn
-        // finds them there): they count on its allocation clock, or the
-        // capacity learned in the clock's blocks comes out too small by
-        // the answers' share of what it computes.
-        let mut computed = usage.completion_blocks(prompt_blocks);
-        if held < predicted {
-            // It computed what it was predicted to hold: that is allocation too.
-            computed += predicted - held;
-        } else if held > predicted {
-            // It held what the index counted as new when it was sent.
-            self.index.not_allocated(slot, u64::from(held - predicted));
-        }
-        self.index.allocated(slot, u64::from(computed));
+        // finds them there): they count on its clock, or the capacity
+        // learned in the clock's blocks comes out too small by the
+        // answers' share of what it uses.
+        self.index
+            .allocated(slot, u64::from(usage.completion_blocks(prompt_blocks)));
         match backend
             .feedback
             .observe(usage, predicted, &blocks.ages, pinned)

@@ -165,7 +165,8 @@ impl Router {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let backends = self.backends();
-            let known = |b: &serde_json::Value| b["models"].as_array().is_some_and(|m| !m.is_empty());
+            let known =
+                |b: &serde_json::Value| b["models"].as_array().is_some_and(|m| !m.is_empty());
             if backends.iter().all(known) {
                 return;
             }

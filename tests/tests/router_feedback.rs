@@ -68,11 +68,20 @@ fn a_flushed_engine_is_forgotten_and_the_error_is_exported() {
         assert!(cached >= 60 * 16, "the repeat was cached: {cached} tokens");
         placed.push(b);
     }
-    let m = router.metrics();
-    let reports: f64 = urls
-        .iter()
-        .map(|u| metric(&m, "prefix_router_prediction_reports_total", u))
-        .sum();
+    // The router reads an answer's usage after the client has it: wait
+    // (bounded) for the last one to be counted.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let (m, reports) = loop {
+        let m = router.metrics();
+        let reports: f64 = urls
+            .iter()
+            .map(|u| metric(&m, "prefix_router_prediction_reports_total", u))
+            .sum();
+        if reports >= 16.0 || std::time::Instant::now() > deadline {
+            break (m, reports);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
     assert_eq!(reports, 16.0, "every answer was compared:\n{m}");
     assert!(m.contains("prefix_router_prediction_error_blocks_total"));
     assert!(m.contains("prefix_router_learned_capacity_blocks"));

@@ -204,7 +204,7 @@ async fn attempt(
         return Err(Failure::Full);
     };
     let sent_at = Instant::now();
-    router.learn(backend, &mut c.blocks, at.matched_blocks);
+    router.learn(backend, &mut c.blocks);
     inflight.hold_slot(c.blocks.slot);
     let sent = forward::forward(&worker.pool, cfg, c, req, at, &mut inflight).await;
     drop(inflight);

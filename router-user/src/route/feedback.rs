@@ -206,7 +206,9 @@ pub enum Correction {
 /// Weight of one sample in the capacity estimate: an eviction of a block
 /// younger than the estimate pulls it a quarter of the way down to that
 /// block's age; a kept block older than it pushes it a quarter of the way
-/// up. The estimate settles where the engine starts to evict.
+/// up. The estimate settles where the engine starts to evict. An
+/// unpublished capacity's first samples weigh more (see
+/// [`Feedback::learn_capacity`]).
 const CAPACITY_STEP: f64 = 0.25;
 /// A match within this many blocks of the prediction is a hit (the engine's
 /// tokens and the router's 64-byte blocks round differently).
@@ -226,6 +228,12 @@ const FLUSH_AGE_SHARE: f64 = 0.25;
 pub const MIN_CAPACITY_BLOCKS: usize = 64;
 /// Weight of a new prefill-rate sample (an exponential moving average).
 const RATE_ALPHA: f64 = 0.05;
+/// Prefill-rate samples before the learned rate is used. One sample taken
+/// while an engine was busy decoding (the hot-prompt scenario's start: 7
+/// requests in flight) once set an engine at a third of its fleet's rate;
+/// selection then starved it, and an engine that gets no new conversations
+/// takes no new samples (BENCHMARKS.md, session 8).
+pub const RATE_MIN_SAMPLES: u32 = 8;
 /// Samples with less prefill work than this say more about the network than
 /// the engine, and teach nothing.
 const RATE_MIN_BLOCKS: u32 = 32;
@@ -340,8 +348,16 @@ impl Feedback {
         f64::from_bits(self.capacity.load(Relaxed)) as usize
     }
 
-    /// The learned prefill rate in blocks per second; 0 before any sample.
+    /// The learned prefill rate in blocks per second; 0 (selection then
+    /// takes the fleet's) before [`RATE_MIN_SAMPLES`] samples.
     pub fn prefill_rate(&self) -> f64 {
+        if self.rate_samples.load(Relaxed) < RATE_MIN_SAMPLES {
+            return 0.0;
+        }
+        self.raw_prefill_rate()
+    }
+
+    fn raw_prefill_rate(&self) -> f64 {
         f64::from_bits(self.prefill_rate.load(Relaxed))
     }
 
@@ -352,17 +368,20 @@ impl Feedback {
             return;
         }
         let sample = f64::from(work_blocks) / ttft_s;
-        let old = self.prefill_rate();
-        let n = self.rate_samples.fetch_add(1, Relaxed);
-        let new = if n == 0 {
-            sample
+        let old = self.raw_prefill_rate();
+        let n = self.rate_samples.load(Relaxed);
+        // The first samples are averaged whole (one taken while the engine
+        // was busy with other work must not stand for it), then a moving
+        // average follows the engine.
+        let alpha = if n < RATE_MIN_SAMPLES {
+            1.0 / f64::from(n + 1)
         } else {
-            // The first samples replace the first guess quickly, then average.
-            let alpha = if n < 8 { 0.25 } else { RATE_ALPHA };
-            old + alpha * (sample - old)
+            RATE_ALPHA
         };
+        let new = old + alpha * (sample - old);
         self.prefill_rate
             .store(new.clamp(1.0, 1e9).to_bits(), Relaxed);
+        self.rate_samples.fetch_add(1, Relaxed);
     }
 
     /// Compares a report with the prediction. `ages[i]` is block `i`'s age
@@ -430,11 +449,11 @@ impl Feedback {
                 }
                 return Correction::None;
             }
-            // Evicted at this age: the capacity is below it. The running
-            // requests' blocks cannot be evicted, so the cache turned over
-            // only what they left free: the capacity is the age plus them.
+            // Evicted at this age: the capacity is below it. (An age counts
+            // the distinct blocks used since, the running requests' too:
+            // `PrefixIndex::distinct_ages`.)
             if let Some(a) = age_at_least(held + TOLERANCE_BLOCKS) {
-                self.learn_capacity(cap, a as f64 + pinned, |a, c| a < c);
+                self.learn_capacity(cap, a as f64, |a, c| a < c);
             }
         } else if predicted + TOLERANCE_BLOCKS < held {
             self.under_predictions.fetch_add(1, Relaxed);
@@ -443,7 +462,7 @@ impl Feedback {
         if held > TOLERANCE_BLOCKS
             && let Some(a) = age_at_most(held.min(predicted).saturating_sub(TOLERANCE_BLOCKS + 1))
         {
-            self.learn_capacity(cap, a as f64 + pinned, |a, c| a > c);
+            self.learn_capacity(cap, a as f64, |a, c| a > c);
         }
         Correction::None
     }
@@ -454,9 +473,20 @@ impl Feedback {
         }
         let known = self.known_capacity.load(Relaxed);
         let ceiling = if known > 0 { known as f64 } else { f64::MAX };
-        let next = (cap + CAPACITY_STEP * (age - cap)).clamp(MIN_CAPACITY_BLOCKS as f64, ceiling);
+        // An unpublished capacity starts at a guess (65,536 blocks), not a
+        // measurement: the first samples replace it, as a running mean of
+        // them, before the steps settle at a quarter. At a quarter from the
+        // start, an engine that rarely evicts (few requests, or a cache
+        // that fits its share) kept most of the guess for a whole run:
+        // 27,648 = 65,536 x 0.75^3 for a real 1,325 (BENCHMARKS.md).
+        let n = self.capacity_samples.fetch_add(1, Relaxed);
+        let step = if known > 0 {
+            CAPACITY_STEP
+        } else {
+            CAPACITY_STEP.max(1.0 / (n as f64 + 1.0))
+        };
+        let next = (cap + step * (age - cap)).clamp(MIN_CAPACITY_BLOCKS as f64, ceiling);
         self.capacity.store(next.to_bits(), Relaxed);
-        self.capacity_samples.fetch_add(1, Relaxed);
     }
 }
 
@@ -600,9 +630,8 @@ mod tests {
     }
 
     /// Feeds `f` 400 reports of an LRU engine that keeps the leading
-    /// blocks younger than `keeps` (ages grow along the prompt) while its
-    /// running requests hold `pinned` blocks.
-    fn observe_lru(f: &Feedback, keeps: u64, pinned: u32, seed: u64) {
+    /// blocks younger than `keeps` (ages grow along the prompt).
+    fn observe_lru(f: &Feedback, keeps: u64, seed: u64) {
         let mut rng = seed;
         for _ in 0..400 {
             rng = crate::route::select::mix(rng);
@@ -613,7 +642,7 @@ mod tests {
                 cached_tokens: held * 16,
                 completion_tokens: 0,
             };
-            f.observe(u, 100, &a, pinned);
+            f.observe(u, 100, &a, 0);
         }
     }
 
@@ -623,7 +652,7 @@ mod tests {
         let real = 1500u64;
         for start in [65_536usize, 300] {
             let f = Feedback::new(start);
-            observe_lru(&f, real, 0, 12345);
+            observe_lru(&f, real, 12345);
             let c = f.capacity() as f64;
             assert!(
                 (c - real as f64).abs() < 0.25 * real as f64,
@@ -633,18 +662,21 @@ mod tests {
     }
 
     #[test]
-    fn running_requests_blocks_count_toward_the_capacity() {
-        // An LRU engine of 1,500 blocks whose running requests hold 600 of
-        // them: what it keeps turns over after 900 new blocks, and the
-        // capacity is still 1,500 (the index tracks the running prompts too).
-        let (real, pinned) = (1500u64, 600u64);
+    fn an_engine_that_rarely_evicts_leaves_the_guess_at_once() {
+        // Three evictions in a whole run (the engine took few requests):
+        // from the 65,536-block guess the estimate lands at the ages the
+        // engine evicted at, not at 65,536 x 0.75^3.
         let f = Feedback::new(65_536);
-        observe_lru(&f, real - pinned, pinned as u32, 99);
-        let c = f.capacity() as f64;
-        assert!(
-            (c - real as f64).abs() < 0.25 * real as f64,
-            "learned {c}, real {real}"
-        );
+        let held = Usage {
+            prompt_tokens: 1600,
+            cached_tokens: 50 * 16,
+            completion_tokens: 0,
+        };
+        for age in [1_400, 1_200, 1_300] {
+            f.observe(held, 100, &ages(age), 0);
+        }
+        let c = f.capacity();
+        assert!((1_200..=1_400).contains(&c), "learned {c}");
     }
 
     #[test]
@@ -669,16 +701,21 @@ mod tests {
             completion_tokens: 0,
         };
         // Evicted at block 602: the anchor after it (608, older) bounds its
-        // age from above, so the capacity moves toward 5,608.
+        // age from above, so the capacity moves toward 5,608 (all the way:
+        // the first sample of an unpublished capacity replaces the guess).
         let f = Feedback::new(65_536);
         f.observe(held_600, 800, &ages, 0);
-        let want = 65_536.0 + CAPACITY_STEP * (5_608.0 - 65_536.0);
-        assert_eq!(f.capacity(), want as usize);
+        assert_eq!(f.capacity(), 5_608);
         // Kept up to block 597: the anchor before it (576, younger) bounds
         // it from below.
         let f = Feedback::new(1_000);
         f.observe(held_600, 600, &ages, 0);
-        let want = 1_000.0 + CAPACITY_STEP * (5_576.0 - 1_000.0);
+        assert_eq!(f.capacity(), 5_576);
+        // A published capacity moves a quarter of the way.
+        let f = Feedback::new(65_536);
+        f.set_known_capacity(8_000);
+        f.observe(held_600, 800, &ages, 0);
+        let want = 8_000.0 + CAPACITY_STEP * (5_608.0 - 8_000.0);
         assert_eq!(f.capacity(), want as usize);
         // The anchor's age unknown (another backend was sent it since):
         // nothing is learned.
@@ -715,5 +752,18 @@ mod tests {
         f.observe_ttft(3, 10.0);
         f.observe_ttft(31, 10.0);
         assert!((f.prefill_rate() - 2000.0).abs() < 50.0);
+    }
+
+    #[test]
+    fn one_slow_first_sample_does_not_mark_an_engine_slow() {
+        let f = Feedback::new(1000);
+        // Taken while the engine was busy: a third of its rate.
+        f.observe_ttft(200, 0.3);
+        assert_eq!(f.prefill_rate(), 0.0, "one sample is not a rate yet");
+        for _ in 1..RATE_MIN_SAMPLES {
+            f.observe_ttft(200, 0.1);
+        }
+        let r = f.prefill_rate();
+        assert!(r > 1500.0, "the busy sample is one of eight: {r}");
     }
 }

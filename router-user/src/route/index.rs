@@ -35,8 +35,8 @@
 //! `memory_per_tracked_block_at_1024_backends` in the tests measure it).
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::{Mutex, OnceLock};
 
 use crate::route::MAX_BACKENDS;
 use crate::route::owners::{self, Added, BackendSet, LANES};
@@ -227,6 +227,99 @@ const SENT_MASK: u64 = (1 << SENT_SHIFT) - 1;
 /// A block whose age is not known (not last sent to this backend).
 pub const AGE_UNKNOWN: u64 = u64::MAX;
 
+/// Clock blocks per fine bucket of the retouch counts
+/// ([`PrefixIndex::distinct_ages`]). A send stamps all of a prompt's blocks
+/// with the clock after it, so a fine bucket holds about one prompt's
+/// stamp: an age read against it may subtract the retouched blocks of a
+/// prompt of under 16 blocks sent just before.
+const RETOUCH_FINE: u64 = 16;
+
+/// Fine buckets per coarse one: a count over a long span reads coarse
+/// buckets in its middle and fine ones at its ends.
+const RETOUCH_PER_COARSE: u64 = 64;
+
+/// Fine buckets per backend: ages up to 131,072 blocks of its clock are
+/// corrected, older ones are unknown (an engine whose cache holds more
+/// than that learns no capacity from the answers and keeps its published
+/// or configured one). With the coarse ones, 65 KB a backend, made at its
+/// first send.
+const RETOUCH_BUCKETS: usize = 8192;
+
+/// One backend's retouch counts: blocks sent again, by the clock stamp of
+/// their previous send. Each bucket holds its epoch (bucket number, low 32
+/// bits) above its count, so a bucket reused by a later epoch starts from
+/// zero.
+struct Retouches {
+    fine: Box<[AtomicU64]>,
+    coarse: Box<[AtomicU64]>,
+}
+
+impl Retouches {
+    fn new() -> Retouches {
+        let zeros = |n: usize| (0..n).map(|_| AtomicU64::new(0)).collect();
+        Retouches {
+            fine: zeros(RETOUCH_BUCKETS),
+            coarse: zeros(RETOUCH_BUCKETS / RETOUCH_PER_COARSE as usize),
+        }
+    }
+
+    /// Counts `n` blocks sent again whose previous send was stamped `stamp`.
+    fn add(&self, stamp: u64, n: u64) {
+        let fine = stamp / RETOUCH_FINE;
+        bump(&self.fine, fine, n);
+        bump(&self.coarse, fine / RETOUCH_PER_COARSE, n);
+    }
+
+    /// Blocks sent again, up to clock `now`, whose previous send was
+    /// stamped at or after `stamp`'s fine bucket: each was counted on the
+    /// clock once already since `stamp`. `None` past the buckets' reach.
+    fn since(&self, stamp: u64, now: u64) -> Option<u64> {
+        let (first, last) = (stamp / RETOUCH_FINE, now / RETOUCH_FINE);
+        if last.saturating_sub(first) >= self.fine.len() as u64 {
+            return None;
+        }
+        let coarse_of = |f: u64| f / RETOUCH_PER_COARSE;
+        if coarse_of(first) == coarse_of(last) {
+            return Some((first..=last).map(|e| read(&self.fine, e)).sum());
+        }
+        // The rest of the first coarse bucket, the whole ones, then the
+        // start of the last one.
+        let head_end = (coarse_of(first) + 1) * RETOUCH_PER_COARSE;
+        let tail_start = coarse_of(last) * RETOUCH_PER_COARSE;
+        Some(
+            (first..head_end).map(|e| read(&self.fine, e)).sum::<u64>()
+                + (coarse_of(first) + 1..coarse_of(last))
+                    .map(|e| read(&self.coarse, e))
+                    .sum::<u64>()
+                + (tail_start..=last)
+                    .map(|e| read(&self.fine, e))
+                    .sum::<u64>(),
+        )
+    }
+}
+
+const COUNT_MASK: u64 = u32::MAX as u64;
+
+/// Adds `n` to bucket `epoch` of `table`, restarting it if it held an older epoch.
+fn bump(table: &[AtomicU64], epoch: u64, n: u64) {
+    let tag = epoch & COUNT_MASK;
+    let cell = &table[epoch as usize % table.len()];
+    let _ = cell.fetch_update(Relaxed, Relaxed, |v| {
+        let count = if v >> 32 == tag { v & COUNT_MASK } else { 0 };
+        Some((tag << 32) | (count + n).min(COUNT_MASK))
+    });
+}
+
+/// Bucket `epoch` of `table`: 0 if it holds another epoch.
+fn read(table: &[AtomicU64], epoch: u64) -> u64 {
+    let v = table[epoch as usize % table.len()].load(Relaxed);
+    if v >> 32 == epoch & COUNT_MASK {
+        v & COUNT_MASK
+    } else {
+        0
+    }
+}
+
 /// Blocks of a prompt's head that are all anchors: the bookkeeping of a
 /// prompt's first 32 KB (the whole of most chats: the quality scenarios'
 /// conversations end near 400 blocks) is exact, block by block, as before
@@ -298,11 +391,16 @@ pub struct PrefixIndex {
     rings: Box<[Mutex<Ring>]>,
     /// Each ring's length, readable without its lock (selection reads it).
     ring_lens: Box<[AtomicUsize]>,
-    /// Blocks each backend had to compute (allocate in its cache), since
-    /// start: the clock block ages are measured in. An LRU engine evicts a
-    /// block once more blocks than its capacity were allocated after the
-    /// block's last use.
+    /// Blocks each backend was sent (every prompt block, held or not, and
+    /// the answers' tokens), since start: the clock block ages are measured
+    /// in. An LRU engine evicts a block once more distinct blocks than its
+    /// capacity were used after it: its age less the blocks counted twice
+    /// since (see [`PrefixIndex::distinct_ages`]).
     pushed: Box<[AtomicU64]>,
+    /// Per backend, made at its first send: touches of blocks it was sent
+    /// before, counted by the stamp of that earlier send (see
+    /// [`PrefixIndex::distinct_ages`]).
+    retouches: Box<[OnceLock<Retouches>]>,
     evictions: AtomicU64,
     tracked: AtomicUsize,
 }
@@ -391,6 +489,7 @@ impl PrefixIndex {
             rings,
             ring_lens: (0..MAX_BACKENDS).map(|_| AtomicUsize::new(0)).collect(),
             pushed: (0..MAX_BACKENDS).map(|_| AtomicU64::new(0)).collect(),
+            retouches: (0..MAX_BACKENDS).map(|_| OnceLock::new()).collect(),
             evictions: AtomicU64::new(0),
             tracked: AtomicUsize::new(0),
         }
@@ -533,26 +632,68 @@ impl PrefixIndex {
     /// [`Self::insert`] with the slots a lookup noted for these hashes; a
     /// noted slot is used when it still holds its block, else it is probed.
     pub fn insert_noted(&self, backend: usize, hashes: &[u64], found: &[u32]) {
-        self.insert_aging(backend, hashes, found, 0, &mut Vec::new());
+        self.insert_aging(backend, hashes, found, &mut Vec::new());
     }
 
-    /// `backend` computed `n` blocks more than the index predicted (an
-    /// answer said so): they count on its allocation clock.
+    /// `backend` used `n` blocks the prompt did not show (an answer's
+    /// tokens, which its cache keeps as it keeps the prompt's): they count
+    /// on its clock.
     pub fn allocated(&self, backend: usize, n: u64) {
         self.pushed[backend].fetch_add(n, Relaxed);
     }
 
-    /// `backend` already held `n` blocks the index counted as new when it
-    /// was sent them (an answer said so: the previous answer's tokens, or
-    /// another router's traffic): they come off its allocation clock.
-    pub fn not_allocated(&self, backend: usize, n: u64) {
-        let _ = self.pushed[backend].fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(n)));
+    /// Turns the ages [`Self::insert_aging`] wrote for a prompt sent at
+    /// clock `now` into LRU stack distances: each age less the blocks
+    /// counted twice on the clock since (a block sent again, such as a
+    /// system prompt every request repeats, is one block of the engine's
+    /// cache however often it is sent), so an age says how many distinct
+    /// blocks the backend used after that block, which is what decides
+    /// whether an LRU cache of a given capacity still holds it. Then
+    /// counts this prompt's own blocks that were sent before, by the stamp
+    /// of that send. Ages past [`RETOUCH_BUCKETS`] fine buckets become unknown.
+    ///
+    /// Costs a read per bucket an age spans (fine ones at its ends, coarse
+    /// ones between), once per run of equal ages (a chat's system prompt
+    /// and history are a run each).
+    pub fn distinct_ages(&self, backend: usize, now: u64, ages: &mut [u64]) {
+        let table = self.retouches[backend].get_or_init(Retouches::new);
+        let mut last: Option<(u64, u64)> = None;
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        for (i, age) in ages.iter_mut().enumerate() {
+            if *age == AGE_UNKNOWN {
+                continue;
+            }
+            let raw = *age;
+            // A block past the head stands for the blocks up to the next
+            // anchor, which have no age of their own.
+            let weight = if i < DENSE_BLOCKS {
+                1
+            } else {
+                ANCHOR_STRIDE as u64
+            };
+            match runs.last_mut() {
+                Some((r, n)) if *r == raw => *n += weight,
+                _ => runs.push((raw, weight)),
+            }
+            *age = match last {
+                Some((r, d)) if r == raw => d,
+                _ => {
+                    let d = table
+                        .since(now.saturating_sub(raw), now)
+                        .map_or(AGE_UNKNOWN, |dup| raw.saturating_sub(dup));
+                    last = Some((raw, d));
+                    d
+                }
+            };
+        }
+        for (raw, n) in runs {
+            table.add(now.saturating_sub(raw), n);
+        }
     }
 
-    /// [`Self::insert_noted`] for a prompt whose first `matched` blocks the
-    /// backend was predicted to hold, also writing into `ages` (cleared
+    /// [`Self::insert_noted`], also writing into `ages` (cleared
     /// first, one per block) each block's age before this send: blocks the
-    /// backend computed since it was last sent this one, [`AGE_UNKNOWN`]
+    /// backend was sent since it was last sent this one, [`AGE_UNKNOWN`]
     /// when another backend was sent it since, it was never sent, or it is
     /// not an anchor ([`is_anchor`]: every block of a prompt's first 32 KB
     /// is, then one in [`ANCHOR_STRIDE`]). The closed loop (`feedback`)
@@ -564,18 +705,20 @@ impl PrefixIndex {
     /// touched and stamped; the blocks between two anchors take their
     /// recency from the first of them (see [`Ring`]) and have no age. A
     /// shorter prompt is learned block by block, exactly as before anchors.
+    ///
+    /// Returns the backend's clock at this send, for [`Self::distinct_ages`].
     pub fn insert_aging(
         &self,
         backend: usize,
         hashes: &[u64],
         found: &[u32],
-        matched: u32,
         ages: &mut Vec<u64>,
-    ) {
+    ) -> u64 {
         ages.clear();
         let n = hashes.len();
         let tag = (backend as u64) << SENT_SHIFT;
-        let alloc = n.saturating_sub(matched as usize) as u64;
+        // Every block sent is a use of the engine's cache, held or not.
+        let alloc = n as u64;
         let end = (self.pushed[backend].fetch_add(alloc, Relaxed) + alloc) & SENT_MASK;
         let now = end - alloc;
         let age_of = |s: &Slot| {
@@ -659,14 +802,14 @@ impl PrefixIndex {
             }
         }
         if first_new == n && lost_anchors.is_empty() {
-            return;
+            return now;
         }
         let mut ring = self.rings[backend]
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         if ring.capacity == 0 {
             ages.truncate(first_new);
-            return;
+            return now;
         }
         // Tail first: within one prompt the ring then forgets the tail before
         // the head, as engines evict (a prefix outlives its extensions).
@@ -693,6 +836,7 @@ impl PrefixIndex {
         }
         self.evict_over(backend, &mut ring);
         self.ring_lens[backend].store(ring.blocks.len(), Relaxed);
+        now
     }
 
     /// Forgets everything `backend` holds (removed, ejected, or restarted).

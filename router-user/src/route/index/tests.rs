@@ -1,6 +1,7 @@
 use super::*;
 use crate::route::owners::{self, BackendSet};
 use proptest::prelude::*;
+use std::collections::HashMap;
 
 /// Block hashes as the hasher makes them: uniformly spread, never 0.
 fn chain(start: u64, n: usize) -> Vec<u64> {
@@ -455,7 +456,7 @@ fn a_held_long_prompt_is_learned_by_its_anchors() {
     idx.set_capacity(2, 20_000);
     let doc = chain(51, 6_400);
     let mut ages = Vec::new();
-    idx.insert_aging(2, &doc, &[], 0, &mut ages);
+    idx.insert_aging(2, &doc, &[], &mut ages);
     assert_eq!(ages.len(), 6_400);
     assert!(ages.iter().all(|&a| a == AGE_UNKNOWN), "never sent before");
     idx.allocated(2, 100);
@@ -470,7 +471,7 @@ fn a_held_long_prompt_is_learned_by_its_anchors() {
         "the lookup walked {} blocks",
         found.len()
     );
-    idx.insert_aging(2, &doc, &found, m[2], &mut ages);
+    idx.insert_aging(2, &doc, &found, &mut ages);
     assert_eq!(ages.len(), 6_400);
     for (i, &a) in ages.iter().enumerate() {
         if is_anchor(i) {
@@ -484,7 +485,11 @@ fn a_held_long_prompt_is_learned_by_its_anchors() {
         before,
         "a block between anchors was not written"
     );
-    assert_eq!(stamp(6_368), before + 100, "an anchor was stamped");
+    assert_eq!(
+        stamp(6_368),
+        before + 100 + 6_400,
+        "an anchor was stamped at the clock after this send"
+    );
     assert_eq!(idx.len(2), 6_400);
 }
 
@@ -550,7 +555,7 @@ fn a_lost_anchor_is_learned_again() {
         owners::remove(w, 4);
     }
     let mut ages = Vec::new();
-    idx.insert_aging(4, &doc, &[], (d + 300) as u32, &mut ages);
+    idx.insert_aging(4, &doc, &[], &mut ages);
     assert!(idx.find(doc[d + 128]).unwrap().word_of(4).is_some());
     assert!(ages[d + 128] == AGE_UNKNOWN && ages[d + 96] == 0);
     assert!(ages[d + 97] == AGE_UNKNOWN, "not an anchor");
@@ -558,16 +563,10 @@ fn a_lost_anchor_is_learned_again() {
 
 /// The learning before issue 13, block by block, as the oracle of
 /// `learning_matches_the_walk_below_the_anchors` (ring entries as now).
-fn learn_block_by_block(
-    idx: &PrefixIndex,
-    backend: usize,
-    hashes: &[u64],
-    matched: u32,
-    ages: &mut Vec<u64>,
-) {
+fn learn_block_by_block(idx: &PrefixIndex, backend: usize, hashes: &[u64], ages: &mut Vec<u64>) {
     ages.clear();
     let tag = (backend as u64) << SENT_SHIFT;
-    let alloc = hashes.len().saturating_sub(matched as usize) as u64;
+    let alloc = hashes.len() as u64;
     let end = (idx.pushed[backend].fetch_add(alloc, Relaxed) + alloc) & SENT_MASK;
     let now = end - alloc;
     let age_of = |s: &Slot| {
@@ -644,12 +643,86 @@ proptest! {
             for x in 0..3 {
                 prop_assert_eq!(m_new[x], m_old[x], "backend {} on {} blocks", x, q.len());
             }
-            new.insert_aging(b, q, &found, m_new[b], &mut ages_new);
-            learn_block_by_block(&old, b, q, m_old[b], &mut ages_old);
+            new.insert_aging(b, q, &found, &mut ages_new);
+            learn_block_by_block(&old, b, q, &mut ages_old);
             prop_assert_eq!(&ages_new, &ages_old, "backend {} on {} blocks", b, q.len());
             new.allocated(b, extra);
             old.allocated(b, extra);
         }
         prop_assert_eq!(new.evictions(), 0);
     }
+}
+
+#[test]
+fn distinct_ages_are_lru_stack_distances() {
+    // One backend sent a hot system prompt with every request and 40
+    // conversations growing turn by turn (the hot-prompt scenario's shape):
+    // an age, less what was sent twice since, is the number of distinct
+    // blocks used after the block, which decides whether an LRU cache
+    // still holds it. Summing the sends instead counts the system prompt
+    // once per request.
+    let idx = PrefixIndex::new(1 << 16);
+    idx.set_capacity(0, 1 << 15);
+    let system = chain(91, 20);
+    let mut convs: Vec<Vec<u64>> = vec![Vec::new(); 40];
+    // The engine's LRU order: each block's last use (a running count of
+    // uses), and a Fenwick tree over uses marking the last one of each
+    // block, so "distinct blocks used since" is a suffix count.
+    const USES: usize = 1 << 20;
+    let mut last_use: HashMap<u64, usize> = HashMap::new();
+    let mut tree = vec![0i64; USES + 1];
+    let add = |tree: &mut Vec<i64>, at: usize, v: i64| {
+        let mut i = at + 1;
+        while i <= USES {
+            tree[i] += v;
+            i += i & i.wrapping_neg();
+        }
+    };
+    let upto = |tree: &Vec<i64>, at: usize| {
+        let (mut i, mut sum) = (at + 1, 0);
+        while i > 0 {
+            sum += tree[i];
+            i -= i & i.wrapping_neg();
+        }
+        sum
+    };
+    let (mut rng, mut ages, mut checked, mut uses) = (7u64, Vec::new(), 0, 0usize);
+    for step in 0..3_000u64 {
+        rng = crate::route::select::mix(rng);
+        let c = (rng % 40) as usize;
+        if convs[c].len() > 200 {
+            convs[c].clear();
+        }
+        let grow = 4 + (rng >> 20) % 9;
+        convs[c].extend(chain(1_000 + step, grow as usize));
+        let prompt: Vec<u64> = system.iter().chain(&convs[c]).copied().collect();
+        let now = idx.insert_aging(0, &prompt, &[], &mut ages);
+        idx.distinct_ages(0, now, &mut ages);
+        let live = last_use.len() as i64;
+        for (i, h) in prompt.iter().enumerate() {
+            let Some(&at) = last_use.get(h) else {
+                assert_eq!(ages[i], AGE_UNKNOWN, "never sent, block {i}");
+                continue;
+            };
+            let used_since = (live - upto(&tree, at)) as u64;
+            // The blocks of one send share a stamp: the prompt's own
+            // blocks after it (at most its length) and one fine bucket.
+            let slack = prompt.len() as u64 + RETOUCH_FINE;
+            assert!(
+                ages[i] + slack >= used_since && ages[i] <= used_since + slack,
+                "step {step}, block {i}: age {} for {used_since} distinct blocks since",
+                ages[i]
+            );
+            checked += 1;
+        }
+        // The engine frees a prompt tail first: its head is the most recent.
+        for &h in prompt.iter().rev() {
+            if let Some(old) = last_use.insert(h, uses) {
+                add(&mut tree, old, -1);
+            }
+            add(&mut tree, uses, 1);
+            uses += 1;
+        }
+    }
+    assert!(checked > 50_000, "{checked} ages checked");
 }
