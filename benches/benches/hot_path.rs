@@ -189,8 +189,8 @@ fn index(c: &mut Criterion) {
             let (backend, hashes) = &long[j];
             idx.longest_matches_noting(hashes, &all, &mut m, &mut found);
             let matched = m[*backend];
-            let now = idx.insert_aging(*backend, hashes, &found, &mut ages);
-            idx.distinct_ages(*backend, now, &mut ages);
+            let sent = idx.insert_aging(*backend, hashes, &found, &mut ages);
+            idx.distinct_ages(*backend, sent, &mut ages);
             black_box(matched)
         })
     });

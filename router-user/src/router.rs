@@ -559,14 +559,14 @@ impl Router {
             }
             return;
         }
-        let now = self.index.insert_aging(
+        let sent = self.index.insert_aging(
             backend.slot,
             &blocks.hashes,
             &blocks.found,
             &mut blocks.ages,
         );
         self.index
-            .distinct_ages(backend.slot, now, &mut blocks.ages);
+            .distinct_ages(backend.slot, sent, &mut blocks.ages);
     }
 }
 

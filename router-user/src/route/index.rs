@@ -227,6 +227,28 @@ const SENT_MASK: u64 = (1 << SENT_SHIFT) - 1;
 /// A block whose age is not known (not last sent to this backend).
 pub const AGE_UNKNOWN: u64 = u64::MAX;
 
+/// What [`PrefixIndex::insert_aging`] tells [`PrefixIndex::distinct_ages`].
+#[derive(Clone, Copy, Debug)]
+pub struct Sent {
+    /// The backend's clock at the send.
+    pub now: u64,
+    /// Blocks the backend held whose last send was to another backend (the
+    /// stamp is per block): each was sent here before, when is not known.
+    /// A system prompt every engine holds is one: counted as new at every
+    /// send, it would add itself to every age once per request between.
+    pub foreign: u64,
+}
+
+/// The blocks that block `i`'s age stands for: itself, or past the head
+/// an anchor and the blocks after it up to the next.
+fn stands_for(i: usize) -> u64 {
+    if i < DENSE_BLOCKS {
+        1
+    } else {
+        ANCHOR_STRIDE as u64
+    }
+}
+
 /// Clock blocks per fine bucket of the retouch counts
 /// ([`PrefixIndex::distinct_ages`]). A send stamps all of a prompt's blocks
 /// with the clock after it, so a fine bucket holds about one prompt's
@@ -642,8 +664,8 @@ impl PrefixIndex {
         self.pushed[backend].fetch_add(n, Relaxed);
     }
 
-    /// Turns the ages [`Self::insert_aging`] wrote for a prompt sent at
-    /// clock `now` into LRU stack distances: each age less the blocks
+    /// Turns the ages [`Self::insert_aging`] wrote for a prompt (`sent`)
+    /// into LRU stack distances: each age less the blocks
     /// counted twice on the clock since (a block sent again, such as a
     /// system prompt every request repeats, is one block of the engine's
     /// cache however often it is sent), so an age says how many distinct
@@ -655,7 +677,8 @@ impl PrefixIndex {
     /// Costs a read per bucket an age spans (fine ones at its ends, coarse
     /// ones between), once per run of equal ages (a chat's system prompt
     /// and history are a run each).
-    pub fn distinct_ages(&self, backend: usize, now: u64, ages: &mut [u64]) {
+    pub fn distinct_ages(&self, backend: usize, sent: Sent, ages: &mut [u64]) {
+        let Sent { now, foreign } = sent;
         let table = self.retouches[backend].get_or_init(Retouches::new);
         let mut last: Option<(u64, u64)> = None;
         let mut runs: Vec<(u64, u64)> = Vec::new();
@@ -666,11 +689,7 @@ impl PrefixIndex {
             let raw = *age;
             // A block past the head stands for the blocks up to the next
             // anchor, which have no age of their own.
-            let weight = if i < DENSE_BLOCKS {
-                1
-            } else {
-                ANCHOR_STRIDE as u64
-            };
+            let weight = stands_for(i);
             match runs.last_mut() {
                 Some((r, n)) if *r == raw => *n += weight,
                 _ => runs.push((raw, weight)),
@@ -689,6 +708,11 @@ impl PrefixIndex {
         for (raw, n) in runs {
             table.add(now.saturating_sub(raw), n);
         }
+        // Taken as sent here last just now: a block several backends hold
+        // is most often a hot one, sent to each of them all the time.
+        if foreign > 0 {
+            table.add(now, foreign);
+        }
     }
 
     /// [`Self::insert_noted`], also writing into `ages` (cleared
@@ -706,14 +730,15 @@ impl PrefixIndex {
     /// recency from the first of them (see [`Ring`]) and have no age. A
     /// shorter prompt is learned block by block, exactly as before anchors.
     ///
-    /// Returns the backend's clock at this send, for [`Self::distinct_ages`].
+    /// Returns the backend's clock at this send and the held blocks of
+    /// unknown age, for [`Self::distinct_ages`].
     pub fn insert_aging(
         &self,
         backend: usize,
         hashes: &[u64],
         found: &[u32],
         ages: &mut Vec<u64>,
-    ) -> u64 {
+    ) -> Sent {
         ages.clear();
         let n = hashes.len();
         let tag = (backend as u64) << SENT_SHIFT;
@@ -721,11 +746,18 @@ impl PrefixIndex {
         let alloc = n as u64;
         let end = (self.pushed[backend].fetch_add(alloc, Relaxed) + alloc) & SENT_MASK;
         let now = end - alloc;
-        let age_of = |s: &Slot| {
+        // Held blocks whose last send was to another backend (a system
+        // prompt several engines hold): sent here before, but when is not
+        // known (see [`Sent::foreign`]).
+        let foreign = std::cell::Cell::new(0u64);
+        let age_of = |i: usize, s: &Slot| {
             let sent = s.last_sent.load(Relaxed);
             if sent != 0 && sent & !SENT_MASK == tag {
                 now.saturating_sub(sent & SENT_MASK)
             } else {
+                if sent != 0 {
+                    foreign.set(foreign.get() + stands_for(i));
+                }
                 AGE_UNKNOWN
             }
         };
@@ -763,7 +795,7 @@ impl PrefixIndex {
                 match held_slot(i) {
                     Some((s, word)) => {
                         owners::touch(word, backend);
-                        ages[i] = age_of(s);
+                        ages[i] = age_of(i, s);
                         s.last_sent.store(tag | end, Relaxed);
                     }
                     None => lost_anchors.push(i),
@@ -791,7 +823,7 @@ impl PrefixIndex {
                 Some((s, word)) => {
                     owners::touch(word, backend);
                     if is_anchor(i) {
-                        *age = age_of(s);
+                        *age = age_of(i, s);
                     }
                     s.last_sent.store(tag | end, Relaxed);
                 }
@@ -802,14 +834,20 @@ impl PrefixIndex {
             }
         }
         if first_new == n && lost_anchors.is_empty() {
-            return now;
+            return Sent {
+                now,
+                foreign: foreign.get(),
+            };
         }
         let mut ring = self.rings[backend]
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         if ring.capacity == 0 {
             ages.truncate(first_new);
-            return now;
+            return Sent {
+                now,
+                foreign: foreign.get(),
+            };
         }
         // Tail first: within one prompt the ring then forgets the tail before
         // the head, as engines evict (a prefix outlives its extensions).
@@ -828,7 +866,7 @@ impl PrefixIndex {
                 }
             } else if let Some(word) = slot.word_of(backend) {
                 if is_anchor(i) {
-                    ages[i] = age_of(slot);
+                    ages[i] = age_of(i, slot);
                 }
                 owners::touch(word, backend);
             }
@@ -836,7 +874,10 @@ impl PrefixIndex {
         }
         self.evict_over(backend, &mut ring);
         self.ring_lens[backend].store(ring.blocks.len(), Relaxed);
-        now
+        Sent {
+            now,
+            foreign: foreign.get(),
+        }
     }
 
     /// Forgets everything `backend` holds (removed, ejected, or restarted).

@@ -661,8 +661,24 @@ fn distinct_ages_are_lru_stack_distances() {
     // blocks used after the block, which decides whether an LRU cache
     // still holds it. Summing the sends instead counts the system prompt
     // once per request.
-    let idx = PrefixIndex::new(1 << 16);
+    stack_distances(false);
+}
+
+#[test]
+fn distinct_ages_hold_when_other_backends_share_the_hot_prompt() {
+    // The same, with the system prompt also sent to a second backend after
+    // every send: its stamps name that backend, so here it has no age, and
+    // it must still count once, not once per request.
+    stack_distances(true);
+}
+
+/// Backend 0's ages against a model LRU (see the two tests above); with
+/// `shared`, backend 1 is sent the system prompt after each send.
+fn stack_distances(shared: bool) {
+    // Room for both backends' blocks: none displaced.
+    let idx = PrefixIndex::new(1 << 20);
     idx.set_capacity(0, 1 << 15);
+    idx.set_capacity(1, 1 << 15);
     let system = chain(91, 20);
     let mut convs: Vec<Vec<u64>> = vec![Vec::new(); 40];
     // The engine's LRU order: each block's last use (a running count of
@@ -696,15 +712,32 @@ fn distinct_ages_are_lru_stack_distances() {
         let grow = 4 + (rng >> 20) % 9;
         convs[c].extend(chain(1_000 + step, grow as usize));
         let prompt: Vec<u64> = system.iter().chain(&convs[c]).copied().collect();
-        let now = idx.insert_aging(0, &prompt, &[], &mut ages);
-        idx.distinct_ages(0, now, &mut ages);
+        let sent = idx.insert_aging(0, &prompt, &[], &mut ages);
+        idx.distinct_ages(0, sent, &mut ages);
+        if shared {
+            let mut other = system.clone();
+            other.extend(chain(900_000 + step, 10));
+            let sent = idx.insert_aging(1, &other, &[], &mut Vec::new());
+            idx.distinct_ages(1, sent, &mut Vec::new());
+        }
         let live = last_use.len() as i64;
         for (i, h) in prompt.iter().enumerate() {
             let Some(&at) = last_use.get(h) else {
                 assert_eq!(ages[i], AGE_UNKNOWN, "never sent, block {i}");
                 continue;
             };
+            if shared && i < system.len() {
+                assert_eq!(
+                    ages[i], AGE_UNKNOWN,
+                    "step {step}, block {i}: last sent to backend 1"
+                );
+                continue;
+            }
             let used_since = (live - upto(&tree, at)) as u64;
+            assert_ne!(
+                ages[i], AGE_UNKNOWN,
+                "step {step}, block {i}: {used_since} since"
+            );
             // The blocks of one send share a stamp: the prompt's own
             // blocks after it (at most its length) and one fine bucket.
             let slack = prompt.len() as u64 + RETOUCH_FINE;
