@@ -322,6 +322,10 @@ impl Retouches {
 
 const COUNT_MASK: u64 = u32::MAX as u64;
 
+/// Runs of equal ages in one prompt that [`PrefixIndex::distinct_ages`]
+/// counts (on the stack: the request path allocates nothing for it).
+const MAX_AGE_RUNS: usize = 8;
+
 /// Adds `n` to bucket `epoch` of `table`, restarting it if it held an older epoch.
 fn bump(table: &[AtomicU64], epoch: u64, n: u64) {
     let tag = epoch & COUNT_MASK;
@@ -681,7 +685,12 @@ impl PrefixIndex {
         let Sent { now, foreign } = sent;
         let table = self.retouches[backend].get_or_init(Retouches::new);
         let mut last: Option<(u64, u64)> = None;
-        let mut runs: Vec<(u64, u64)> = Vec::new();
+        // This prompt's runs of equal ages, counted after every age is
+        // read (a block sent again now is not a use before now). A chat
+        // has two or three (its system prompt, its history); past
+        // `MAX_AGE_RUNS` the rest go uncounted.
+        let mut runs = [(0u64, 0u64); MAX_AGE_RUNS];
+        let mut n_runs = 0usize;
         for (i, age) in ages.iter_mut().enumerate() {
             if *age == AGE_UNKNOWN {
                 continue;
@@ -690,9 +699,13 @@ impl PrefixIndex {
             // A block past the head stands for the blocks up to the next
             // anchor, which have no age of their own.
             let weight = stands_for(i);
-            match runs.last_mut() {
+            match n_runs.checked_sub(1).map(|i| &mut runs[i]) {
                 Some((r, n)) if *r == raw => *n += weight,
-                _ => runs.push((raw, weight)),
+                _ if n_runs < MAX_AGE_RUNS => {
+                    runs[n_runs] = (raw, weight);
+                    n_runs += 1;
+                }
+                _ => {}
             }
             *age = match last {
                 Some((r, d)) if r == raw => d,
@@ -705,7 +718,7 @@ impl PrefixIndex {
                 }
             };
         }
-        for (raw, n) in runs {
+        for &(raw, n) in &runs[..n_runs] {
             table.add(now.saturating_sub(raw), n);
         }
         // Taken as sent here last just now: a block several backends hold
