@@ -450,8 +450,10 @@ impl Feedback {
                 return Correction::None;
             }
             // Evicted at this age: the capacity is below it. (An age counts
-            // the distinct blocks used since, the running requests' too:
-            // `PrefixIndex::distinct_ages`.)
+            // the distinct blocks sent since, `PrefixIndex::distinct_ages`;
+            // blocks that requests already running before then kept pinned
+            // are not among them, so on an engine at its memory limit the
+            // estimate comes out low: BENCHMARKS.md, session 9.)
             if let Some(a) = age_at_least(held + TOLERANCE_BLOCKS) {
                 self.learn_capacity(cap, a as f64, |a, c| a < c);
             }
