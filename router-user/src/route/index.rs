@@ -68,7 +68,7 @@ struct Slot {
     /// Who holds the block, with their referenced bits (`route::owners`).
     owners: [AtomicU64; OWNER_WORDS],
     /// When the block was last sent, as `backend << 48 | that backend's
-    /// push count then` (see [`PrefixIndex::insert_aging`]); 0 = never.
+    /// clock (blocks sent) then` (see [`PrefixIndex::insert_aging`]); 0 = never.
     last_sent: AtomicU64,
 }
 
@@ -219,8 +219,8 @@ fn advise_huge_pages<T>(mem: &mut [T]) {
     let _ = mem;
 }
 
-/// `Slot::last_sent` keeps the backend in its top 16 bits (the push count
-/// below: 2^48 blocks are years of traffic).
+/// `Slot::last_sent` keeps the backend in its top 16 bits (its clock of
+/// blocks sent below: 2^48 blocks are years of traffic).
 const SENT_SHIFT: u32 = 48;
 const SENT_MASK: u64 = (1 << SENT_SHIFT) - 1;
 
