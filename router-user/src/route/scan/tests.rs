@@ -339,3 +339,52 @@ fn a_chat_holding_an_answer_is_a_conversation_past_its_first_turn() {
     // The next body on the same scratch starts over.
     assert!(!answered(first));
 }
+
+/// Bytes drawn mostly from plain text with the special ones mixed in, so
+/// that runs of every length end on every kind of special byte.
+fn scan_bytes() -> impl Strategy<Value = Vec<u8>> {
+    let byte = prop_oneof![
+        8 => b'a'..=b'z',
+        1 => Just(b'"'),
+        1 => Just(b'\\'),
+        1 => 0u8..0x20,
+        1 => 0x80u8..=0xff,
+        1 => Just(0x1f),
+        1 => Just(0x20),
+        1 => Just(0x7f),
+    ];
+    proptest::collection::vec(byte, 0..300)
+}
+
+proptest! {
+    /// Every vector scan stops where the portable one does, from every start.
+    #[test]
+    fn vector_scans_stop_where_the_portable_scan_stops(b in scan_bytes(), from in 0usize..300) {
+        let from = from.min(b.len());
+        let want = next_special_portable(&b, from);
+        prop_assert_eq!(next_special(&b, from), want);
+        #[cfg(target_arch = "x86_64")]
+        {
+            prop_assert_eq!(simd::next_special_sse2(&b, from), want);
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2.
+                prop_assert_eq!(unsafe { simd::next_special_avx2(&b, from) }, want);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_long_plain_run_is_crossed_to_its_quote() {
+    // 400 KB of plain text, then each kind of special byte at each offset
+    // within the last vectors.
+    for special in [b'"', b'\\', 0x00, 0x1f, 0x80, 0xff] {
+        for tail in 0..70 {
+            let mut b = vec![b'x'; 400 * 1024 + tail];
+            let at = b.len() - 1 - tail / 2;
+            b[at] = special;
+            assert_eq!(next_special(&b, 0), at, "byte {special:#x}, tail {tail}");
+            assert_eq!(next_special(&b, at + 1), b.len());
+        }
+    }
+}
