@@ -533,7 +533,9 @@ impl Router {
     }
 
     /// Records that `backend` was sent the prompt with these block hashes.
-    pub fn learn(&self, backend: &Backend, blocks: &mut PromptBlocks) {
+    /// Returns the clock stamp its blocks took in the index, for the
+    /// request's `InFlight::pin`.
+    pub fn learn(&self, backend: &Backend, blocks: &mut PromptBlocks) -> Option<u64> {
         blocks.ages.clear();
         blocks.slot = None;
         if let Some(p) = &self.precise
@@ -542,7 +544,7 @@ impl Router {
             p.guard(backend.slot, &blocks.keys, p.now_ms());
         }
         if blocks.hashes.is_empty() || !blocks.prefix {
-            return;
+            return None;
         }
         if backend.slots.is_slot_engine() {
             // It takes the slot the model predicts (the request is counted
@@ -557,7 +559,7 @@ impl Router {
             for other in fleet.backends.iter().filter(|b| b.slot != backend.slot) {
                 other.slots.moved_away(&blocks.hashes);
             }
-            return;
+            return None;
         }
         let sent = self.index.insert_aging(
             backend.slot,
@@ -565,8 +567,18 @@ impl Router {
             &blocks.found,
             &mut blocks.ages,
         );
+        // What the engine's running requests hold counts toward every age
+        // (`Load::pinned_before`), or the capacity learned from the ages
+        // comes out low on a busy engine (BENCHMARKS.md, session 11).
+        let answer = backend.feedback.answer_blocks();
+        let slot = backend.slot;
         self.index
-            .distinct_ages(backend.slot, sent, &mut blocks.ages);
+            .distinct_ages_pinned(slot, sent, &mut blocks.ages, |stamp| {
+                backend
+                    .load
+                    .pinned_before(stamp, answer, |s, n| self.index.resent(slot, s, n))
+            });
+        Some(sent.now + blocks.hashes.len() as u64)
     }
 }
 
@@ -637,8 +649,9 @@ impl Router {
         // finds them there): they count on its clock, or the capacity
         // learned in the clock's blocks comes out too small by the
         // answers' share of what it uses.
-        self.index
-            .allocated(slot, u64::from(usage.completion_blocks(prompt_blocks)));
+        let answer = usage.completion_blocks(prompt_blocks);
+        self.index.allocated(slot, u64::from(answer));
+        backend.feedback.observe_answer_blocks(answer);
         match backend
             .feedback
             .observe(usage, predicted, &blocks.ages, pinned)

@@ -204,7 +204,9 @@ async fn attempt(
         return Err(Failure::Full);
     };
     let sent_at = Instant::now();
-    router.learn(backend, &mut c.blocks);
+    if let Some(stamp) = router.learn(backend, &mut c.blocks) {
+        inflight.pin(stamp);
+    }
     inflight.hold_slot(c.blocks.slot);
     let sent = forward::forward(&worker.pool, cfg, c, req, at, &mut inflight).await;
     drop(inflight);

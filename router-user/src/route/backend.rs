@@ -3,8 +3,8 @@
 //! immutable snapshot swapped whole on reload.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
 
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -59,6 +59,20 @@ pub struct Load {
     external_conns: AtomicU32,
     /// Resets seen by XDP per second, recent.
     rst_per_sec: AtomicU32,
+    /// Its requests in flight that were learned by the index, for
+    /// [`Load::pinned_before`]: one entry each, bounded by the in-flight
+    /// limit.
+    pins: Mutex<Vec<Pin>>,
+}
+
+/// A request in flight as the closed loop sees it: the clock stamp its
+/// prompt's blocks took (`PrefixIndex::insert_aging`), its blocks, and
+/// whether the engine runs it yet (a first byte came back).
+#[derive(Clone, Copy, Debug)]
+struct Pin {
+    stamp: u64,
+    blocks: u32,
+    running: bool,
 }
 
 impl Load {
@@ -85,6 +99,49 @@ impl Load {
 
     pub fn resets_per_sec(&self) -> u32 {
         self.rst_per_sec.load(Relaxed)
+    }
+
+    /// Blocks the engine's running requests hold that an age measured from
+    /// clock `stamp` does not count (`PrefixIndex::distinct_ages`): the
+    /// prompts of requests sent before `stamp` (less what was sent again
+    /// since, `resent(stamp, blocks)`, which an age counts), and the answer
+    /// every running request is writing (`answer_blocks` each, the
+    /// backend's mean). An engine cannot evict what its running requests
+    /// hold, so the blocks an LRU cache keeps after a block are those the
+    /// age counts plus these. A request still waiting for its first byte
+    /// is queued in the engine and holds nothing yet.
+    ///
+    /// `None` when the request that sent the blocks stamped `stamp` is
+    /// still waiting for its first byte: the engine has not computed them
+    /// yet, so not finding them says nothing of its capacity (an engine
+    /// caches a block once it has computed it).
+    pub fn pinned_before(
+        &self,
+        stamp: u64,
+        answer_blocks: u64,
+        resent: impl Fn(u64, u32) -> u64,
+    ) -> Option<u64> {
+        let pins = self.pins();
+        if pins.iter().any(|p| p.stamp == stamp && !p.running) {
+            return None;
+        }
+        Some(
+            pins.iter()
+                .filter(|p| p.running)
+                .map(|p| {
+                    let prompt = if p.stamp < stamp {
+                        u64::from(p.blocks).saturating_sub(resent(p.stamp, p.blocks))
+                    } else {
+                        0
+                    };
+                    prompt + answer_blocks
+                })
+                .sum(),
+        )
+    }
+
+    fn pins(&self) -> std::sync::MutexGuard<'_, Vec<Pin>> {
+        self.pins.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// What the XDP counters show now: `live` connections in all (this
@@ -385,6 +442,7 @@ impl Backend {
             prefill_blocks,
             prompt_blocks,
             slot: None,
+            pin: None,
         })
     }
 
@@ -439,6 +497,9 @@ pub struct InFlight {
     prompt_blocks: u32,
     /// A slot engine's slot the request runs in, freed on drop.
     slot: Option<usize>,
+    /// The clock stamp of its prompt's blocks, when the index learned
+    /// them, and whether the engine runs it yet ([`Load::pinned_before`]).
+    pin: Option<(u64, bool)>,
 }
 
 impl InFlight {
@@ -448,6 +509,17 @@ impl InFlight {
         self.slot = slot;
     }
 
+    /// The index learned its prompt's blocks at clock `stamp`
+    /// (`Router::learn`): until it ends it pins them ([`Load::pinned_before`]).
+    pub fn pin(&mut self, stamp: u64) {
+        self.backend.load.pins().push(Pin {
+            stamp,
+            blocks: self.prompt_blocks,
+            running: false,
+        });
+        self.pin = Some((stamp, false));
+    }
+
     /// The first response byte arrived: the prompt is prefilled.
     pub fn prefilled(&mut self) {
         let n = std::mem::take(&mut self.prefill_blocks);
@@ -455,12 +527,36 @@ impl InFlight {
             .load
             .queued_prefill_blocks
             .fetch_sub(n, Relaxed);
+        if let Some((stamp, running)) = &mut self.pin
+            && !*running
+        {
+            *running = true;
+            if let Some(p) = self
+                .backend
+                .load
+                .pins()
+                .iter_mut()
+                .find(|p| p.stamp == *stamp)
+            {
+                p.running = true;
+            }
+        }
     }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.prefilled();
+        let n = std::mem::take(&mut self.prefill_blocks);
+        self.backend
+            .load
+            .queued_prefill_blocks
+            .fetch_sub(n, Relaxed);
+        if let Some((stamp, _)) = self.pin.take() {
+            let mut pins = self.backend.load.pins();
+            if let Some(i) = pins.iter().position(|p| p.stamp == stamp) {
+                pins.swap_remove(i);
+            }
+        }
         if let Some(s) = self.slot.take() {
             self.backend.slots.finished(s);
         }
@@ -484,5 +580,49 @@ impl ConnCount {
 impl Drop for ConnCount {
     fn drop(&mut self) {
         self.0.load.open_conns.fetch_sub(1, Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn running_requests_pin_what_an_age_does_not_count() {
+        let b = Arc::new(Backend::new(
+            0,
+            "http://e:1",
+            "127.0.0.1:1".parse().unwrap(),
+            64,
+        ));
+        // Sent at clock 100 (40 blocks, 10 of them sent again since), 300
+        // (50 blocks) and 500 (still queued in the engine).
+        let mut early = b.admit(0, 0, 40).unwrap();
+        early.pin(100);
+        let mut mid = b.admit(0, 0, 50).unwrap();
+        mid.pin(300);
+        let mut queued = b.admit(0, 0, 70).unwrap();
+        queued.pin(500);
+        let resent = |stamp: u64, _| if stamp == 100 { 10 } else { 0 };
+        // Nothing runs yet: nothing is pinned.
+        assert_eq!(b.load.pinned_before(400, 8, resent), Some(0));
+        early.prefilled();
+        mid.prefilled();
+        // A block last sent at 400: both running prompts were sent before
+        // it, each running request writes an 8-block answer.
+        assert_eq!(b.load.pinned_before(400, 8, resent), Some(30 + 50 + 16));
+        // At 200 only the first was; the second's prompt is in the age.
+        assert_eq!(b.load.pinned_before(200, 8, resent), Some(30 + 16));
+        // The blocks the queued request sent are not computed yet: their
+        // age tells nothing.
+        assert_eq!(b.load.pinned_before(500, 8, resent), None);
+        // An ended request pins nothing.
+        drop(early);
+        assert_eq!(b.load.pinned_before(400, 8, resent), Some(50 + 8));
+        drop(queued);
+        assert_eq!(b.load.pinned_before(500, 8, resent), Some(50 + 8));
+        drop(mid);
+        assert_eq!(b.load.pinned_before(500, 8, resent), Some(0));
+        assert!(b.load.pins().is_empty());
     }
 }

@@ -682,6 +682,20 @@ impl PrefixIndex {
     /// ones between), once per run of equal ages (a chat's system prompt
     /// and history are a run each).
     pub fn distinct_ages(&self, backend: usize, sent: Sent, ages: &mut [u64]) {
+        self.distinct_ages_pinned(backend, sent, ages, |_| Some(0));
+    }
+
+    /// [`Self::distinct_ages`], adding to each age `pinned(stamp)`: blocks
+    /// the engine keeps after a block last sent at clock `stamp` that the
+    /// clock does not count there (what its running requests hold,
+    /// `Load::pinned_before`); `None` makes the age unknown.
+    pub fn distinct_ages_pinned(
+        &self,
+        backend: usize,
+        sent: Sent,
+        ages: &mut [u64],
+        pinned: impl Fn(u64) -> Option<u64>,
+    ) {
         let Sent { now, foreign } = sent;
         let table = self.retouches[backend].get_or_init(Retouches::new);
         let mut last: Option<(u64, u64)> = None;
@@ -715,9 +729,11 @@ impl PrefixIndex {
             *age = match last {
                 Some((r, d)) if r == raw => d,
                 _ => {
+                    let stamp = now.saturating_sub(raw);
                     let d = table
-                        .since(now.saturating_sub(raw), now)
-                        .map_or(AGE_UNKNOWN, |dup| raw.saturating_sub(dup));
+                        .since(stamp, now)
+                        .zip(pinned(stamp))
+                        .map_or(AGE_UNKNOWN, |(dup, pin)| raw.saturating_sub(dup) + pin);
                     last = Some((raw, d));
                     d
                 }
@@ -731,6 +747,15 @@ impl PrefixIndex {
         if foreign > 0 {
             table.add(now, foreign);
         }
+    }
+
+    /// Blocks of `backend`'s send stamped `stamp` (of `blocks` blocks) sent
+    /// again since: read from the retouch counts, whose fine bucket may
+    /// also hold another short prompt's stamp.
+    pub fn resent(&self, backend: usize, stamp: u64, blocks: u32) -> u64 {
+        self.retouches[backend].get().map_or(0, |t| {
+            read(&t.fine, stamp / RETOUCH_FINE).min(u64::from(blocks))
+        })
     }
 
     /// [`Self::insert_noted`], also writing into `ages` (cleared
