@@ -48,6 +48,30 @@ impl SimEngine {
         Ok(SimEngine { addr, child })
     }
 
+    /// [`spawn`](Self::spawn) publishing KV events (`--kv-events-port`,
+    /// `--kv-events-replay-port`) on two free ports, returned after the
+    /// engine. The ports are picked free and bound by the engine later, so
+    /// a concurrent test can take one in between (seen in CI): a start
+    /// that fails is tried again on fresh ports, 3 times.
+    ///
+    /// # Panics
+    /// If the third start fails, with its stderr in the message.
+    pub fn spawn_with_event_ports(args: &[&str]) -> (SimEngine, u16, u16) {
+        let mut tries = 0;
+        loop {
+            let (p, r) = (crate::proc::free_port(), crate::proc::free_port());
+            let (ps, rs) = (p.to_string(), r.to_string());
+            let mut all = vec!["--kv-events-port", &ps, "--kv-events-replay-port", &rs];
+            all.extend_from_slice(args);
+            tries += 1;
+            match Self::try_spawn(&all) {
+                Ok(e) => return (e, p, r),
+                Err(err) if tries >= 3 => panic!("{err}"),
+                Err(_) => {}
+            }
+        }
+    }
+
     /// One `sim-engine` process serving `ports` engines (`--ports`) on
     /// 127.0.0.1 ports the OS picks, each with its own cache and its
     /// address as its id; returns it (its `addr`: the first) and every

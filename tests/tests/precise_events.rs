@@ -35,32 +35,13 @@ impl Setup {
         let mut engines_ports = Vec::new();
         let mut backends = Vec::new();
         for (i, extra) in engine_args.iter().enumerate() {
-            // Event ports are picked free and bound by the engine later: a
-            // concurrent test can take one in between (seen once in CI), so
-            // a start that fails is tried again on fresh ports, 3 times.
-            let mut tries = 0;
-            let (e, p, r) = loop {
-                let (p, r) = (free_port(), free_port());
-                let (ps, rs, id) = (p.to_string(), r.to_string(), format!("e{i}"));
-                let mut args = vec![
-                    "--id",
-                    &id,
-                    "--kv-events-port",
-                    &ps,
-                    "--kv-events-replay-port",
-                    &rs,
-                ];
-                if !extra.contains(&"--time-scale") {
-                    args.extend(["--time-scale", "0"]);
-                }
-                args.extend_from_slice(extra);
-                tries += 1;
-                match SimEngine::try_spawn(&args) {
-                    Ok(e) => break (e, p, r),
-                    Err(err) if tries >= 3 => panic!("{err}"),
-                    Err(_) => continue,
-                }
-            };
+            let id = format!("e{i}");
+            let mut args = vec!["--id", &id];
+            if !extra.contains(&"--time-scale") {
+                args.extend(["--time-scale", "0"]);
+            }
+            args.extend_from_slice(extra);
+            let (e, p, r) = SimEngine::spawn_with_event_ports(&args);
             backends.push(format!(
                 "{{ url = \"{}\", kv_events = \"tcp://127.0.0.1:{p}\", kv_events_replay = \"tcp://127.0.0.1:{r}\" }}",
                 e.url()

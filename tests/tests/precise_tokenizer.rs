@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use testkit::engine_proc::SimEngine;
 use testkit::http::post_json;
-use testkit::proc::free_port;
 use testkit::router_proc::{Router, explain, matched_on};
 use testkit::tokenizer_fixture::words;
 
@@ -37,32 +36,15 @@ fn engines(n: usize, dir: &str) -> (Vec<SimEngine>, String) {
     let mut engines = Vec::new();
     let mut backends = Vec::new();
     for i in 0..n {
-        // Event ports are picked free and bound by the engine later: a
-        // concurrent test can take one in between (two engines of this file
-        // failed to start in one CI run), so a start that fails is tried
-        // again on fresh ports, 3 times, as in `precise_events`.
-        let mut tries = 0;
-        let (e, p, r) = loop {
-            let (p, r) = (free_port(), free_port());
-            let (ps, rs, id) = (p.to_string(), r.to_string(), format!("e{i}"));
-            tries += 1;
-            match SimEngine::try_spawn(&[
-                "--id",
-                &id,
-                "--time-scale",
-                "0",
-                "--tokenizer-dir",
-                dir,
-                "--kv-events-port",
-                &ps,
-                "--kv-events-replay-port",
-                &rs,
-            ]) {
-                Ok(e) => break (e, p, r),
-                Err(err) if tries >= 3 => panic!("{err}"),
-                Err(_) => continue,
-            }
-        };
+        let id = format!("e{i}");
+        let (e, p, r) = SimEngine::spawn_with_event_ports(&[
+            "--id",
+            &id,
+            "--time-scale",
+            "0",
+            "--tokenizer-dir",
+            dir,
+        ]);
         backends.push(format!(
             "{{ url = \"{}\", kv_events = \"tcp://127.0.0.1:{p}\", kv_events_replay = \"tcp://127.0.0.1:{r}\" }}",
             e.url()
