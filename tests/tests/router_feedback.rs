@@ -175,3 +175,75 @@ fn an_unpublished_capacity_is_learned_from_the_answers() {
         "learned {learned} blocks, the engine has {cap}: {b}"
     );
 }
+
+/// Reads from `s` until `pat` has come, or panics after 10 s.
+fn read_until(s: &mut std::net::TcpStream, got: &mut Vec<u8>, pat: &[u8]) {
+    use std::io::Read as _;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut buf = [0u8; 4096];
+    while !got.windows(pat.len()).any(|w| w == pat) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no {:?} in {:?}",
+            String::from_utf8_lossy(pat),
+            String::from_utf8_lossy(got)
+        );
+        let n = s.read(&mut buf).expect("read");
+        assert!(n > 0, "closed early: {:?}", String::from_utf8_lossy(got));
+        got.extend_from_slice(&buf[..n]);
+    }
+}
+
+#[test]
+fn a_streamed_prompt_is_queued_prefill_until_its_first_event() {
+    // An engine that prefills 2,000 tokens a second: a prompt of 4,096
+    // tokens takes 2 s. It sends its response head when it takes the
+    // request, as vLLM does, and its first event once it has prefilled.
+    // Until then the prompt is prefill queued on that engine, which is
+    // what the router's TTFT prediction counts for the next request.
+    use std::io::Write as _;
+    let engine = SimEngine::spawn(&["--time-scale", "1", "--prefill-tps", "2000"]);
+    let url = engine.url();
+    let router = Router::spawn(std::slice::from_ref(&url), &[], "");
+    router.wait_models_known();
+    let body = json!({
+        "model": "sim-llama-8b",
+        "prompt": doc(1, 256),
+        "max_tokens": 2,
+        "stream": true,
+    })
+    .to_string();
+    let mut s = std::net::TcpStream::connect(addr(&router.url())).expect("connect");
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("send");
+    let mut got = Vec::new();
+    read_until(&mut s, &mut got, b"\r\n\r\n");
+    assert!(
+        got.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+    assert!(
+        !got.windows(5).any(|w| w == b"data:"),
+        "the engine answered before it prefilled"
+    );
+    let queued = router.backend(&url)["queued_prefill_blocks"]
+        .as_u64()
+        .expect("queued_prefill_blocks");
+    assert!(
+        queued >= 250,
+        "with the head sent and the prompt still prefilling, {queued} blocks were queued"
+    );
+    read_until(&mut s, &mut got, b"data:");
+    assert!(
+        router.wait_backend(&url, std::time::Duration::from_secs(5), |b| {
+            b["queued_prefill_blocks"] == 0
+        }),
+        "the first event came, but the prompt still counts as queued: {}",
+        router.backend(&url)
+    );
+}

@@ -136,7 +136,7 @@ pub async fn forward(
     let mut bc = get_conn(pool, cfg, backend, at.fresh_only)
         .await
         .map_err(|e| Failure::Retry(e, Resend::ConnectFailed))?;
-    let rhead = match exchange(cfg, c, head, body, &mut bc, inflight).await {
+    let rhead = match exchange(cfg, c, head, body, &mut bc).await {
         Ok(h) => h,
         Err(Exchange::NotSent(why)) if bc.reused => {
             debug!(backend = %backend.url, why, "pooled connection failed before the request was written; sending it on a fresh one");
@@ -225,8 +225,12 @@ pub async fn forward(
         };
         leftover |= take < bytes.len();
         usage.feed(&bytes[..take]);
-        if take > 0 {
-            first_body_at.get_or_insert_with(Instant::now);
+        if take > 0 && first_body_at.is_none() {
+            // The first body byte, not the head: an engine streaming an
+            // answer (vLLM, the sim-engine) sends its head when it takes
+            // the request, and the first event once it has prefilled.
+            first_body_at = Some(Instant::now());
+            inflight.prefilled();
         }
         let sent = if dechunk {
             write_all(&mut c.stream, &mut c.out, client_write).await
@@ -291,7 +295,6 @@ async fn exchange(
     head: &RequestHead,
     body: Body,
     bc: &mut BackendConn,
-    inflight: &mut InFlight,
 ) -> Result<response::ResponseHead, Exchange> {
     let timeout = ms(cfg.timeouts.backend_idle_ms);
     let res = write_all(&mut bc.stream, &mut c.fwd, timeout).await;
@@ -315,7 +318,7 @@ async fn exchange(
         )
         .await
         {
-            Read::Data(_) => inflight.prefilled(),
+            Read::Data(_) => {}
             Read::Eof if c.rbuf.is_empty() => return Err(Exchange::Unanswered("closed")),
             Read::Err if c.rbuf.is_empty() => return Err(Exchange::Unanswered("reset")),
             Read::Eof | Read::Err => {

@@ -67,7 +67,7 @@ pub struct Load {
 
 /// A request in flight as the closed loop sees it: the clock stamp its
 /// prompt's blocks took (`PrefixIndex::insert_aging`), its blocks, and
-/// whether the engine runs it yet (a first byte came back).
+/// whether the engine runs it yet (a first body byte came back).
 #[derive(Clone, Copy, Debug)]
 struct Pin {
     stamp: u64,
@@ -80,7 +80,7 @@ impl Load {
         self.in_flight.load(Relaxed)
     }
 
-    /// Uncached prompt blocks of its requests still waiting for a first byte.
+    /// Uncached prompt blocks of its requests still waiting for a first body byte.
     pub fn queued_prefill_blocks(&self) -> u32 {
         self.queued_prefill_blocks.load(Relaxed)
     }
@@ -108,11 +108,11 @@ impl Load {
     /// every running request is writing (`answer_blocks` each, the
     /// backend's mean). An engine cannot evict what its running requests
     /// hold, so the blocks an LRU cache keeps after a block are those the
-    /// age counts plus these. A request still waiting for its first byte
+    /// age counts plus these. A request still waiting for its first body byte
     /// is queued in the engine and holds nothing yet.
     ///
     /// `None` when the request that sent the blocks stamped `stamp` is
-    /// still waiting for its first byte: the engine has not computed them
+    /// still waiting for its first body byte: the engine has not computed them
     /// yet, so not finding them says nothing of its capacity (an engine
     /// caches a block once it has computed it).
     pub fn pinned_before(
@@ -520,7 +520,7 @@ impl InFlight {
         self.pin = Some((stamp, false));
     }
 
-    /// The first response byte arrived: the prompt is prefilled.
+    /// The first byte of the response body arrived: the prompt is prefilled.
     pub fn prefilled(&mut self) {
         let n = std::mem::take(&mut self.prefill_blocks);
         self.backend

@@ -72,7 +72,7 @@ pub struct BackendLoad {
     pub eligible: bool,
     /// Requests this router has in flight on it.
     pub in_flight: u32,
-    /// Prompt blocks sent to it whose first response byte has not come back.
+    /// Prompt blocks sent to it whose first body byte has not come back (an engine streaming sends its head at once, its first event after prefill).
     pub queued_prefill_blocks: u32,
     /// Connections to it that are not this router's (from the XDP counters).
     pub external_conns: u32,
