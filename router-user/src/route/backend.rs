@@ -60,8 +60,9 @@ pub struct Load {
     /// Resets seen by XDP per second, recent.
     rst_per_sec: AtomicU32,
     /// Its requests in flight that were learned by the index, for
-    /// [`Load::pinned_before`]: one entry each, bounded by the in-flight
-    /// limit.
+    /// [`Load::pinned_before`]: one entry each, removed when the request's
+    /// [`InFlight`] guard drops (a scan of them costs what the requests in
+    /// flight on one backend number).
     pins: Mutex<Vec<Pin>>,
 }
 
