@@ -214,11 +214,15 @@ pub struct PrefixConfig {
     /// which split system prompts on fluctuations and cost hits.
     pub shared_in_flight_cost_blocks: f64,
     /// A request with no private lead does not go to a backend with this
-    /// many more requests in flight than the least loaded one (0: off). 4:
-    /// at 24 users on 3 engines the gap is 4 or more at a fifth of
-    /// arrivals, on a prompt hot enough to queue at most of them; the
-    /// mean-relative bound alone let two engines holding a hot prompt
-    /// reach 20 before a third got it.
+    /// many more requests in flight than the least loaded one (0: off). 6:
+    /// at 24 users on 3 engines a gap of 4 or 5 is a passing fluctuation
+    /// (a fifth of arrivals see one), and copying a system prompt to an
+    /// engine on it costs more than the wait: pressure-unpublished 74.9%
+    /// against 70.2% at 4 (TTFT p99 363 against 759 ms), hot-prompt alike
+    /// (75.1% against 75.6%, p99 485 against 479 ms), medians of 3 side
+    /// by side (BENCHMARKS.md, session 12). Off, the mean-relative bound
+    /// alone let two engines holding a hot prompt reach 20 in flight
+    /// before a third got it (session 6).
     pub shared_gap: u32,
     /// Blocks a backend must hold for the request to count as warm there.
     pub min_match_blocks: u32,
@@ -266,7 +270,7 @@ impl Default for PrefixConfig {
             sticky_min_blocks: 4,
             hold_private: true,
             shared_in_flight_cost_blocks: 2.0,
-            shared_gap: 4,
+            shared_gap: 6,
             min_match_blocks: 1,
             cold_key_blocks: 4,
             kv_blocks: 65_536,

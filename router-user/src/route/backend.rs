@@ -521,13 +521,18 @@ impl InFlight {
         self.pin = Some((stamp, false));
     }
 
-    /// The first byte of the response body arrived: the prompt is prefilled.
-    pub fn prefilled(&mut self) {
+    /// Gives back the prompt's blocks to the backend's queued prefill, once.
+    fn end_queued_prefill(&mut self) {
         let n = std::mem::take(&mut self.prefill_blocks);
         self.backend
             .load
             .queued_prefill_blocks
             .fetch_sub(n, Relaxed);
+    }
+
+    /// The first byte of the response body arrived: the prompt is prefilled.
+    pub fn prefilled(&mut self) {
+        self.end_queued_prefill();
         if let Some((stamp, running)) = &mut self.pin
             && !*running
         {
@@ -547,11 +552,7 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let n = std::mem::take(&mut self.prefill_blocks);
-        self.backend
-            .load
-            .queued_prefill_blocks
-            .fetch_sub(n, Relaxed);
+        self.end_queued_prefill();
         if let Some((stamp, _)) = self.pin.take() {
             let mut pins = self.backend.load.pins();
             if let Some(i) = pins.iter().position(|p| p.stamp == stamp) {
