@@ -438,7 +438,7 @@ const PER_BACKEND: &[PerBackend] = &[
     ),
     (
         "index_capacity_blocks",
-        "Blocks the index remembers per backend: its KV capacity as configured or published, else prefix.kv_blocks",
+        "Blocks the index remembers per backend: its configured kv_blocks, else prefix.kv_blocks, or its published KV capacity when larger",
         MetricType::Gauge,
         |b, index, _, out| out(Sample::Gauge(label(b), count(index.capacity(b.slot)))),
     ),

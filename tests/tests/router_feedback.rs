@@ -176,6 +176,35 @@ fn an_unpublished_capacity_is_learned_from_the_answers() {
     );
 }
 
+#[test]
+fn a_published_capacity_does_not_shrink_what_the_index_remembers() {
+    // An engine that publishes room for 64 blocks. The router takes it as
+    // the known capacity, but keeps remembering where prompts went past it:
+    // cut to 64, the index forgot histories the engines still held and
+    // conversations moved (BENCHMARKS.md, session 12).
+    let engines = SimEngine::fleet(1, &["--time-scale", "0", "--kv-blocks", "64"]);
+    let url = engines[0].url();
+    let router = Router::spawn(std::slice::from_ref(&url), &["--debug-headers"], "");
+    assert!(
+        router.wait_backend(&url, std::time::Duration::from_secs(10), |b| {
+            b["capacity_known"] == true
+        }),
+        "the published capacity was read: {}",
+        router.backend(&url)
+    );
+    let b = router.backend(&url);
+    assert_eq!(b["learned_capacity_blocks"], 64, "{b}");
+    for i in 0..8 {
+        complete(&router, &doc(i, 16));
+    }
+    let b = router.backend(&url);
+    assert!(
+        b["index_blocks"].as_u64() >= Some(8 * 16),
+        "all 128 blocks sent are remembered, past the engine's 64: {b}"
+    );
+    assert!(b["kv_blocks"].as_u64() > Some(64), "{b}");
+}
+
 /// Reads from `s` until `pat` has come, or panics after 10 s.
 fn read_until(s: &mut std::net::TcpStream, got: &mut Vec<u8>, pat: &[u8]) {
     use std::io::Read as _;
