@@ -20,6 +20,8 @@ pub const BACKEND_COUNTERS_MAP: &str = "BACKEND_COUNTERS";
 pub const GLOBAL_COUNTERS_MAP: &str = "GLOBAL_COUNTERS";
 /// Name of the XDP program in the object.
 pub const XDP_PROGRAM: &str = "router_xdp";
+/// Name of the TC ingress program in the eBPF object (interfaces without native XDP).
+pub const TC_PROGRAM: &str = "router_tc";
 
 /// Offsets into `GLOBAL_COUNTERS`.
 /// Every frame the program saw.

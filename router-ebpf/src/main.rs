@@ -1,10 +1,16 @@
-//! XDP program of prefix-router: counts, per registered backend, the TCP
+//! eBPF programs of prefix-router: count, per registered backend, the TCP
 //! connections it opened (SYN-ACK), closed (FIN) and reset (RST), and its
-//! packets and bytes. It observes only: every frame gets `XDP_PASS`.
+//! packets and bytes. They observe only: every frame gets `XDP_PASS`, every
+//! socket buffer `TC_ACT_UNSPEC` (the next program or the default decides).
 //!
-//! XDP sees ingress only; on the router host the backends' packets arrive on the
-//! interface toward them, so a segment whose *source* ip:port is registered in
-//! `BACKENDS` is one the backend sent.
+//! Two hooks, one count: `router_xdp` for interfaces with native XDP, and
+//! `router_tc` at TC ingress for the others (`lo`, drivers without XDP),
+//! where generic XDP would copy every packet whole first (ARCHITECTURE.md,
+//! "TC ingress where XDP would be generic").
+//!
+//! Both see ingress only; on the router host the backends' packets arrive on
+//! the interface toward them, so a segment whose *source* ip:port is
+//! registered in `BACKENDS` is one the backend sent.
 //!
 //! Map layouts, names and capacities live in `router-common`; this file only
 //! declares the statics with those names (checked at compile time below).
@@ -14,18 +20,18 @@
 mod parse;
 
 use aya_ebpf::{
-    bindings::xdp_action,
-    macros::{map, xdp},
+    bindings::{TC_ACT_UNSPEC, xdp_action},
+    macros::{classifier, map, xdp},
     maps::{HashMap, PerCpuArray},
-    programs::XdpContext,
+    programs::{TcContext, XdpContext},
 };
 use router_common::{
     BACKEND_COUNTERS_MAP, BACKENDS_MAP, BackendCounters, BackendKey, GLOBAL_BACKEND_PACKETS,
     GLOBAL_COUNTER_SLOTS, GLOBAL_COUNTERS_MAP, GLOBAL_NON_IP, GLOBAL_NON_TCP, GLOBAL_PACKETS,
-    GLOBAL_PARSE_FAILURES, MAP_BACKEND_SLOTS, XDP_PROGRAM,
+    GLOBAL_PARSE_FAILURES, MAP_BACKEND_SLOTS, TC_PROGRAM, XDP_PROGRAM,
 };
 
-use crate::parse::{Skip, TcpSegment};
+use crate::parse::{Frame, Skip, TcpSegment};
 
 /// Backend ip:port -> dense backend index; written by userspace (`set_backends`).
 #[map]
@@ -46,6 +52,7 @@ const _: () = assert!(str_eq(BACKENDS_MAP, "BACKENDS"));
 const _: () = assert!(str_eq(BACKEND_COUNTERS_MAP, "BACKEND_COUNTERS"));
 const _: () = assert!(str_eq(GLOBAL_COUNTERS_MAP, "GLOBAL_COUNTERS"));
 const _: () = assert!(str_eq(XDP_PROGRAM, "router_xdp"));
+const _: () = assert!(str_eq(TC_PROGRAM, "router_tc"));
 
 /// TCP flag bits (byte 13 of the TCP header).
 const TCP_FIN: u8 = 0x01;
@@ -56,16 +63,35 @@ const TCP_ACK: u8 = 0x10;
 #[xdp]
 pub fn router_xdp(ctx: XdpContext) -> u32 {
     bump_global(GLOBAL_PACKETS);
-    match try_router_xdp(&ctx) {
-        Ok(()) => {}
-        Err(Skip::NonIp) => bump_global(GLOBAL_NON_IP),
-        Err(Skip::NonTcp) => bump_global(GLOBAL_NON_TCP),
-        Err(Skip::Malformed) => bump_global(GLOBAL_PARSE_FAILURES),
-    }
+    let bytes = (ctx.data_end() - ctx.data()) as u64;
+    note(count(&ctx, bytes));
     xdp_action::XDP_PASS
 }
 
-fn try_router_xdp(ctx: &XdpContext) -> Result<(), Skip> {
+/// Bytes pulled into the linear part when the headers were not all there:
+/// Ethernet, a VLAN tag, the longest IP header walked, a TCP header.
+const PULL_BYTES: u32 = 14 + 4 + 512 + 60;
+
+#[classifier]
+pub fn router_tc(ctx: TcContext) -> i32 {
+    bump_global(GLOBAL_PACKETS);
+    let len = ctx.len();
+    let mut counted = count(&ctx, u64::from(len));
+    // A socket buffer's headers are in its linear part on every path seen
+    // (loopback, GRO); should one not be, pull them in (a copy) and look again.
+    if matches!(counted, Err(Skip::Malformed))
+        && ((ctx.data_end() - ctx.data()) as u64) < u64::from(len)
+        && ctx.pull_data(len.min(PULL_BYTES)).is_ok()
+    {
+        counted = count(&ctx, u64::from(len));
+    }
+    note(counted);
+    TC_ACT_UNSPEC
+}
+
+/// Counts a segment from a registered backend; `bytes` is the packet's length.
+#[inline(always)]
+fn count<F: Frame>(ctx: &F, bytes: u64) -> Result<(), Skip> {
     let TcpSegment { key, flags } = parse::tcp_segment(ctx)?;
     let Some(index) = BACKENDS.get_ptr(key) else {
         return Ok(());
@@ -77,7 +103,6 @@ fn try_router_xdp(ctx: &XdpContext) -> Result<(), Skip> {
     let Some(counters) = BACKEND_COUNTERS.get_ptr_mut(index) else {
         return Ok(());
     };
-    let bytes = (ctx.data_end() - ctx.data()) as u64;
     // SAFETY: the pointer is this CPU's slot of a per-CPU array, so no other
     // program run touches it concurrently; it is valid for the program's run.
     let c = unsafe { &mut *counters };
@@ -94,6 +119,17 @@ fn try_router_xdp(ctx: &XdpContext) -> Result<(), Skip> {
     }
     bump_global(GLOBAL_BACKEND_PACKETS);
     Ok(())
+}
+
+/// Counts why a packet was not attributed.
+#[inline(always)]
+fn note(counted: Result<(), Skip>) {
+    match counted {
+        Ok(()) => {}
+        Err(Skip::NonIp) => bump_global(GLOBAL_NON_IP),
+        Err(Skip::NonTcp) => bump_global(GLOBAL_NON_TCP),
+        Err(Skip::Malformed) => bump_global(GLOBAL_PARSE_FAILURES),
+    }
 }
 
 #[inline(always)]

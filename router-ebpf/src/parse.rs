@@ -4,8 +4,38 @@
 
 use core::mem;
 
-use aya_ebpf::programs::XdpContext;
+use aya_ebpf::programs::{TcContext, XdpContext};
 use router_common::BackendKey;
+
+/// A packet's bytes as the program may read them directly: an XDP frame, or
+/// the linear part of a socket buffer at TC ingress (which starts at the
+/// Ethernet header, as an XDP frame does).
+pub trait Frame {
+    fn data(&self) -> usize;
+    fn data_end(&self) -> usize;
+}
+
+impl Frame for XdpContext {
+    #[inline(always)]
+    fn data(&self) -> usize {
+        XdpContext::data(self)
+    }
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        XdpContext::data_end(self)
+    }
+}
+
+impl Frame for TcContext {
+    #[inline(always)]
+    fn data(&self) -> usize {
+        TcContext::data(self)
+    }
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        TcContext::data_end(self)
+    }
+}
 
 /// Why a frame carries no TCP segment we can attribute.
 pub enum Skip {
@@ -41,7 +71,7 @@ const MAX_L4_OFFSET: usize = 512;
 /// Pointer to a `T` at `offset` in the frame, or `Malformed` when the frame is
 /// shorter. The only way this program touches packet memory.
 #[inline(always)]
-fn ptr_at<T>(ctx: &XdpContext, offset: usize) -> Result<*const T, Skip> {
+fn ptr_at<T>(ctx: &impl Frame, offset: usize) -> Result<*const T, Skip> {
     let start = ctx.data();
     let end = ctx.data_end();
     if start + offset + mem::size_of::<T>() > end {
@@ -52,7 +82,7 @@ fn ptr_at<T>(ctx: &XdpContext, offset: usize) -> Result<*const T, Skip> {
 
 /// `N` bytes at `offset`, copied out of the frame.
 #[inline(always)]
-fn bytes<const N: usize>(ctx: &XdpContext, offset: usize) -> Result<[u8; N], Skip> {
+fn bytes<const N: usize>(ctx: &impl Frame, offset: usize) -> Result<[u8; N], Skip> {
     let p = ptr_at::<[u8; N]>(ctx, offset)?;
     // SAFETY: `ptr_at` checked that `N` bytes from `p` lie inside the frame; a
     // byte array has alignment 1.
@@ -64,7 +94,8 @@ fn be16(b: [u8; 2]) -> u16 {
     u16::from_be_bytes(b)
 }
 
-pub fn tcp_segment(ctx: &XdpContext) -> Result<TcpSegment, Skip> {
+#[inline(always)]
+pub fn tcp_segment<F: Frame>(ctx: &F) -> Result<TcpSegment, Skip> {
     let mut l3 = ETH_HLEN;
     let mut proto = be16(bytes::<2>(ctx, 12)?);
     if proto == ETH_P_8021Q || proto == ETH_P_8021AD {
@@ -92,7 +123,7 @@ pub fn tcp_segment(ctx: &XdpContext) -> Result<TcpSegment, Skip> {
 
 /// Source address (IPv4-mapped) and TCP header offset of an IPv4 packet.
 #[inline(always)]
-fn ipv4(ctx: &XdpContext, l3: usize) -> Result<([u8; 16], usize), Skip> {
+fn ipv4<F: Frame>(ctx: &F, l3: usize) -> Result<([u8; 16], usize), Skip> {
     let ip = bytes::<20>(ctx, l3)?;
     let ihl = (ip[0] & 0x0f) as usize * 4;
     if ip[0] >> 4 != 4 || ihl < 20 {
@@ -112,7 +143,7 @@ fn ipv4(ctx: &XdpContext, l3: usize) -> Result<([u8; 16], usize), Skip> {
 /// Source address and TCP header offset of an IPv6 packet, after walking up to
 /// `MAX_IPV6_EXT_HEADERS` extension headers.
 #[inline(always)]
-fn ipv6(ctx: &XdpContext, l3: usize) -> Result<([u8; 16], usize), Skip> {
+fn ipv6<F: Frame>(ctx: &F, l3: usize) -> Result<([u8; 16], usize), Skip> {
     let ip = bytes::<8>(ctx, l3)?;
     if ip[0] >> 4 != 6 {
         return Err(Skip::Malformed);

@@ -20,14 +20,19 @@ pub enum EbpfMode {
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum XdpMode {
-    /// Native (driver) mode, falling back to generic (SKB) mode where the driver
-    /// has no XDP support (`lo` for one).
+    /// Native (driver) XDP, falling back to TC ingress where the driver has
+    /// no XDP support (`lo` for one), then to generic XDP.
     #[default]
     Auto,
     /// Native (driver) mode only: fastest; veth and most NIC drivers support it.
     Native,
-    /// Generic (SKB) mode only: works on any interface, after the SKB is built.
+    /// Generic (SKB) XDP only: works on any interface, but the kernel copies
+    /// every packet it sees whole first (ARCHITECTURE.md, "TC ingress where
+    /// XDP would be generic").
     Skb,
+    /// TC ingress only (a classifier on `tcx`, or on a `clsact` qdisc before
+    /// kernel 6.6): works on any interface and copies nothing.
+    Tc,
 }
 
 /// The `[ebpf]` section.

@@ -1,17 +1,20 @@
-//! Loading the XDP object, attaching it, and the `EbpfLoad` handle.
+//! Loading the eBPF object, attaching its programs, and the `EbpfLoad` handle.
 
 use std::net::SocketAddr;
 
 use aya::maps::{HashMap, MapData, PerCpuArray};
-use aya::programs::{TestRun, TestRunOptions, Xdp, xdp::XdpMode as AyaXdpMode};
+use aya::programs::{
+    ProgramError, SchedClassifier, TcAttachType, TestRun, TestRunOptions, Xdp, tc,
+    xdp::XdpMode as AyaXdpMode,
+};
 use router_common::{
     BACKEND_COUNTERS_MAP, BACKENDS_MAP, BackendCounters as CpuCounters, BackendKey,
-    GLOBAL_COUNTERS_MAP, XDP_PROGRAM,
+    GLOBAL_COUNTERS_MAP, TC_PROGRAM, XDP_PROGRAM,
 };
 
 use super::{EbpfConfig, EbpfError, EbpfMode, OBJECT, XdpMode, privilege_hint, routes};
 
-/// The loaded XDP program, its maps and its links. Dropping it detaches the
+/// The loaded programs (XDP and TC ingress), their maps and their links. Dropping it detaches the
 /// program from every interface (links are owned here, nothing is pinned).
 pub struct EbpfLoad {
     /// Backend ip:port -> dense index (`router-common`'s `BACKENDS`).
@@ -22,7 +25,7 @@ pub struct EbpfLoad {
     pub(super) globals: PerCpuArray<MapData, u64>,
     /// Position = dense index, as last given to `set_backends`.
     pub(super) backends: Vec<SocketAddr>,
-    /// Interfaces attached and the mode each took (`Native` or `Skb`).
+    /// Interfaces attached and the mode each took (`Native`, `Tc` or `Skb`).
     attached: Vec<(String, XdpMode)>,
     /// Resolve interfaces from backend routes (config gave none).
     follow_routes: bool,
@@ -100,6 +103,15 @@ impl EbpfLoad {
             hint: privilege_hint(),
             source: Box::new(source),
         })?;
+        let classifier: &mut SchedClassifier = ebpf
+            .program_mut(TC_PROGRAM)
+            .ok_or(EbpfError::Missing(TC_PROGRAM))?
+            .try_into()
+            .map_err(|_| EbpfError::Missing(TC_PROGRAM))?;
+        classifier.load().map_err(|source| EbpfError::Program {
+            hint: privilege_hint(),
+            source: Box::new(source),
+        })?;
         let mut take = |name: &'static str| ebpf.take_map(name).ok_or(EbpfError::Missing(name));
         let registry = HashMap::try_from(take(BACKENDS_MAP)?)?;
         let counters = PerCpuArray::try_from(take(BACKEND_COUNTERS_MAP)?)?;
@@ -168,40 +180,76 @@ impl EbpfLoad {
     fn attach_all(&mut self, ifaces: &[String]) -> Result<(), EbpfError> {
         for iface in ifaces {
             let mode = self.attach(iface)?;
-            tracing::info!(interface = %iface, ?mode, "eBPF: XDP attached");
+            tracing::info!(interface = %iface, ?mode, "eBPF: counters attached");
             self.attached.push((iface.clone(), mode));
         }
         Ok(())
     }
 
-    /// Attaches to one interface; `Auto` tries native mode, then SKB mode.
+    /// Attaches to one interface; `Auto` tries native XDP, then TC ingress,
+    /// then generic XDP.
     fn attach(&mut self, iface: &str) -> Result<XdpMode, EbpfError> {
         let want = self.xdp_mode;
-        let program: &mut Xdp = self
-            .ebpf
-            .program_mut(XDP_PROGRAM)
-            .ok_or(EbpfError::Missing(XDP_PROGRAM))?
-            .try_into()
-            .map_err(|_| EbpfError::Missing(XDP_PROGRAM))?;
         let err = |mode, source| EbpfError::Attach {
             interface: iface.to_owned(),
             mode,
             source: Box::new(source),
         };
-        if want != XdpMode::Skb {
-            match program.attach(iface, AyaXdpMode::Driver) {
+        if matches!(want, XdpMode::Auto | XdpMode::Native) {
+            match self.xdp()?.attach(iface, AyaXdpMode::Driver) {
                 Ok(_) => return Ok(XdpMode::Native),
                 Err(e) if want == XdpMode::Native => return Err(err("native", e)),
                 Err(e) => {
-                    tracing::debug!(interface = %iface, "eBPF: native XDP refused ({e}); trying skb mode")
+                    tracing::debug!(interface = %iface, "eBPF: native XDP refused ({e}); trying TC ingress")
                 }
             }
         }
-        program
+        if matches!(want, XdpMode::Auto | XdpMode::Tc) {
+            match attach_tc(self.classifier()?, iface) {
+                Ok(()) => return Ok(XdpMode::Tc),
+                Err(e) if want == XdpMode::Tc => return Err(err("tc", e)),
+                Err(e) => {
+                    tracing::debug!(interface = %iface, "eBPF: TC ingress refused ({e}); trying generic XDP")
+                }
+            }
+        }
+        self.xdp()?
             .attach(iface, AyaXdpMode::Skb)
             .map(|_| XdpMode::Skb)
             .map_err(|e| err("skb", e))
     }
+
+    fn xdp(&mut self) -> Result<&mut Xdp, EbpfError> {
+        self.ebpf
+            .program_mut(XDP_PROGRAM)
+            .ok_or(EbpfError::Missing(XDP_PROGRAM))?
+            .try_into()
+            .map_err(|_| EbpfError::Missing(XDP_PROGRAM))
+    }
+
+    fn classifier(&mut self) -> Result<&mut SchedClassifier, EbpfError> {
+        self.ebpf
+            .program_mut(TC_PROGRAM)
+            .ok_or(EbpfError::Missing(TC_PROGRAM))?
+            .try_into()
+            .map_err(|_| EbpfError::Missing(TC_PROGRAM))
+    }
+}
+
+/// Attaches the classifier at TC ingress: a `tcx` link from kernel 6.6, else
+/// a filter on the interface's `clsact` qdisc, added when missing (and left
+/// in place at exit: it is empty once the filter goes).
+fn attach_tc(classifier: &mut SchedClassifier, iface: &str) -> Result<(), ProgramError> {
+    if let Err(first) = classifier.attach(iface, TcAttachType::Ingress) {
+        // Before tcx, a filter needs the clsact qdisc; it may exist already.
+        if let Err(e) = tc::qdisc_add_clsact(iface) {
+            tracing::debug!(interface = %iface, "eBPF: adding a clsact qdisc: {e}");
+        }
+        classifier
+            .attach(iface, TcAttachType::Ingress)
+            .map_err(|_| first)?;
+    }
+    Ok(())
 }
 
 /// Kernels before 5.11 charge BPF maps to RLIMIT_MEMLOCK; lift it so the maps
