@@ -238,6 +238,13 @@ pub struct PrefixConfig {
     /// engine's blocks, learn capacities nobody published. Off, the
     /// prediction error is still measured and exported.
     pub learn_from_answers: bool,
+    /// Expect the share of conversations' histories an engine lost by their
+    /// next turn (its answers say) to be lost again, on its queue and on
+    /// the request's: later turns leave a busy engine that keeps evicting
+    /// their history. Off by default: beside the peers it cut TTFT p99 by
+    /// 12-43% and cost 0.3-3.9 points of hit rate (BENCHMARKS.md,
+    /// session 13). Needs `learn_from_answers`.
+    pub expect_lost_history: bool,
     /// How backends' caches are modelled: `auto` (a backend whose `/props`
     /// answers `total_slots`, llama.cpp's, is a slot engine, any other a
     /// block cache), `blocks` (vLLM-like: the prefix index) or `slots`
@@ -276,6 +283,7 @@ impl Default for PrefixConfig {
             kv_blocks: 65_536,
             read_kv_capacity: true,
             learn_from_answers: true,
+            expect_lost_history: false,
             engine: EngineKind::Auto,
             slot_evict_cost: 1.0,
             slot_live_evict_blocks: 64.0,
@@ -284,6 +292,12 @@ impl Default for PrefixConfig {
 }
 
 impl PrefixConfig {
+    /// Whether selection counts histories expected lost (it learns them
+    /// from answers, so only when it learns from them).
+    pub fn expects_lost_history(&self) -> bool {
+        self.expect_lost_history && self.learn_from_answers
+    }
+
     pub fn params(&self) -> PrefixParams {
         PrefixParams {
             epsilon: self.epsilon,

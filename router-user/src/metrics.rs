@@ -455,6 +455,12 @@ const PER_BACKEND: &[PerBackend] = &[
         |b, _, _, out| out(Sample::Rate(label(b), b.feedback.prefill_rate())),
     ),
     (
+        "private_lead_kept_ratio",
+        "Share of a conversation's history (blocks only this backend was predicted to hold) its answers said it still held, a moving average; selection expects the rest lost again",
+        MetricType::Gauge,
+        |b, _, _, out| out(Sample::Rate(label(b), b.feedback.private_kept())),
+    ),
+    (
         "predicted_cached_blocks",
         "Prompt blocks the index predicted the backend held, over answers that reported cached tokens",
         MetricType::Counter,

@@ -358,6 +358,9 @@ impl Router {
         let fleet_slots = fleet_slots(&fleet);
         for b in &fleet.backends {
             let mut load = b.view(cfg.limits.max_in_flight_per_backend);
+            if !cfg.prefix.expects_lost_history() {
+                load.private_lost = 0.0;
+            }
             load.cached_blocks = u32::try_from(self.index.tracked(b.slot)).unwrap_or(u32::MAX);
             if let Some(p) = self
                 .precise
@@ -625,13 +628,15 @@ fn same_hardware_same_rate(loads: &mut [BackendLoad], rates: &mut Vec<f32>) {
 impl Router {
     /// Closes the loop on one answer: `usage` is what the engine said it had
     /// cached of the prompt in `blocks`, `predicted` what the index said
-    /// `backend` held when the request was routed. Corrects the index when
-    /// they disagree (see `feedback`).
+    /// `backend` held when the request was routed, `shared` how much of it
+    /// another backend held too. Corrects the index when they disagree (see
+    /// `feedback`).
     pub fn observe_answer(
         &self,
         backend: &Backend,
         blocks: &PromptBlocks,
         predicted: u32,
+        shared: u32,
         usage: Usage,
     ) {
         let cfg = self.config.load();
@@ -652,6 +657,11 @@ impl Router {
         let answer = usage.completion_blocks(prompt_blocks);
         self.index.allocated(slot, u64::from(answer));
         backend.feedback.observe_answer_blocks(answer);
+        if cfg.prefix.learn_from_answers {
+            backend
+                .feedback
+                .observe_private(usage, prompt_blocks, predicted, shared);
+        }
         match backend
             .feedback
             .observe(usage, predicted, &blocks.ages, pinned)

@@ -276,3 +276,54 @@ fn a_streamed_prompt_is_queued_prefill_until_its_first_event() {
         router.backend(&url)
     );
 }
+
+#[test]
+fn a_history_the_engine_lost_lowers_what_it_is_trusted_to_keep() {
+    let engines = SimEngine::fleet(2, &["--time-scale", "0"]);
+    let urls: Vec<String> = engines.iter().map(SimEngine::url).collect();
+    let router = Router::spawn(&urls, &["--debug-headers"], "");
+    router.wait_models_known();
+    // A document only one engine holds: repeated there, all of it is that
+    // engine's private lead, and it kept it.
+    let d = doc(7, 64);
+    let (holder, _) = complete(&router, &d);
+    let (again, cached) = complete(&router, &d);
+    assert_eq!(holder, again);
+    assert!(cached >= 60 * 16, "{cached}");
+    let kept = |b: &str| router.backend(b)["private_lead_kept"].as_f64().unwrap();
+    let wait_for = |b: &str, ok: &dyn Fn(f64) -> bool| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let k = kept(b);
+            if ok(k) || std::time::Instant::now() > deadline {
+                return k;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    assert_eq!(
+        wait_for(&holder, &|k| k < 1.0),
+        1.0,
+        "a kept lead keeps the trust whole"
+    );
+    // The engine loses it behind the router's back (as a busy engine
+    // evicts a history between two turns); the next send finds nothing.
+    let r = request(addr(&holder), "POST", "/reset_prefix_cache", &[], b"").expect("flush");
+    assert_eq!(r.status, 200);
+    let (b, cached) = complete(&router, &d);
+    assert_eq!(b, holder);
+    assert_eq!(cached, 0);
+    let lost = wait_for(&holder, &|k| k < 1.0);
+    assert!(
+        lost < 1.0 && lost > 0.5,
+        "one lost lead of 20-odd answers: {lost}"
+    );
+    let other = urls.iter().find(|u| **u != holder).unwrap();
+    assert_eq!(kept(other), 1.0);
+    let m = router.metrics();
+    let exported = metric(&m, "prefix_router_private_lead_kept_ratio", &holder);
+    assert!(
+        (exported - lost).abs() < 1e-9,
+        "{exported} against {lost}:\n{m}"
+    );
+}

@@ -140,6 +140,7 @@ fn backends_json(router: &Router) -> serde_json::Value {
                 "learned_capacity_blocks": b.feedback.capacity(),
                 "capacity_known": b.feedback.capacity_known(),
                 "prefill_blocks_per_s": b.feedback.prefill_rate(),
+                "private_lead_kept": b.feedback.private_kept(),
                 "prediction": {
                     "reports": b.feedback.reports(),
                     "predicted_blocks": b.feedback.predicted_blocks(),

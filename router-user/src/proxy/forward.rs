@@ -42,6 +42,9 @@ pub struct Attempt<'a> {
     pub backend: &'a Arc<Backend>,
     /// Prompt blocks routing found the backend holding.
     pub matched_blocks: u32,
+    /// How many of them another backend held too (the rest is private:
+    /// a conversation's history).
+    pub shared_blocks: u32,
     pub decision: Decision,
     /// Only a fresh connection (a pooled one just failed).
     pub fresh_only: bool,

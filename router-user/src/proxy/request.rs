@@ -125,14 +125,15 @@ pub async fn handle(
             }
             let pos = usize::from(routed.choice.candidates[i]);
             let backend = routed.fleet.backends[pos].clone();
-            let matched = if i == 0 {
-                routed.choice.matched_blocks
+            let (matched, shared) = if i == 0 {
+                (routed.choice.matched_blocks, routed.choice.shared_blocks)
             } else {
-                0
+                (0, 0)
             };
             let at = Attempt {
                 backend: &backend,
                 matched_blocks: matched,
+                shared_blocks: shared,
                 decision: routed.choice.decision,
                 fresh_only,
             };
@@ -191,7 +192,18 @@ async fn attempt(
     let router = &worker.router;
     let backend = at.backend;
     let prompt_blocks = c.blocks.hashes.len() as u32;
-    let uncached = prompt_blocks.saturating_sub(at.matched_blocks);
+    // What it will prefill: the blocks it lacks, and (with
+    // `prefix.expect_lost_history`) the share of a private lead its answers
+    // say it loses by the next turn, as selection predicted it, so the
+    // queue ahead of later requests counts it too.
+    let lead = if cfg.prefix.expects_lost_history() {
+        at.matched_blocks.saturating_sub(at.shared_blocks)
+    } else {
+        0
+    };
+    let uncached = prompt_blocks.saturating_sub(at.matched_blocks)
+        + ((1.0 - backend.feedback.private_kept()).clamp(0.0, 1.0) * f64::from(lead)).round()
+            as u32;
     // Prefill work ahead of this request, for learning the engine's rate.
     let queued_ahead = backend.load.queued_prefill_blocks();
     // Routing saw room, but workers route concurrently: admission holds the
@@ -224,7 +236,7 @@ async fn attempt(
     };
     if (200..300).contains(&answer.status) {
         if let Some(u) = answer.usage {
-            router.observe_answer(backend, &c.blocks, at.matched_blocks, u);
+            router.observe_answer(backend, &c.blocks, at.matched_blocks, at.shared_blocks, u);
             model.usage(u.prompt_tokens, u.cached_tokens);
         }
         if answer.streaming

@@ -465,6 +465,7 @@ impl Backend {
             in_flight_blocks: l.in_flight_blocks(),
             capacity_blocks: u32::try_from(self.feedback.capacity()).unwrap_or(u32::MAX),
             prefill_rate: self.feedback.prefill_rate() as f32,
+            private_lost: (1.0 - self.feedback.private_kept()) as f32,
             // Set by the router, which owns the index and the slot model.
             cached_blocks: 0,
             evict_cost_blocks: 0.0,

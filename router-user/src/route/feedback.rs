@@ -238,6 +238,11 @@ const FLUSH_AGE_SHARE: f64 = 0.25;
 pub const MIN_CAPACITY_BLOCKS: usize = 64;
 /// Weight of a new prefill-rate sample (an exponential moving average).
 const RATE_ALPHA: f64 = 0.05;
+/// Private leads shorter than this say little of what the engine keeps.
+const PRIVATE_MIN_BLOCKS: u32 = 8;
+/// Weight of one report in the share of private leads kept: about the last
+/// 20 answers with one.
+const PRIVATE_ALPHA: f64 = 0.05;
 /// Prefill-rate samples before the learned rate is used. One sample taken
 /// while an engine was busy decoding (the hot-prompt scenario's start: 7
 /// requests in flight) once set an engine at a third of its fleet's rate;
@@ -284,6 +289,10 @@ pub struct Feedback {
     /// The engine's published capacity was looked for (once, after its
     /// first passed probe).
     capacity_looked_up: AtomicBool,
+    /// Share of a private lead (the blocks only this engine was predicted
+    /// to hold: a conversation's history) that its answers said it still
+    /// held; a moving average, `f64` bits. 1 until a report says less.
+    private_kept: AtomicU64,
 }
 
 impl Feedback {
@@ -305,7 +314,38 @@ impl Feedback {
             answer_blocks: AtomicU64::new(0f64.to_bits()),
             known_capacity: AtomicUsize::new(0),
             capacity_looked_up: AtomicBool::new(false),
+            private_kept: AtomicU64::new(1f64.to_bits()),
         }
+    }
+
+    /// Share of a private lead this engine still held when the request came
+    /// (see [`Self::observe_private`]): 1 while nothing says otherwise.
+    pub fn private_kept(&self) -> f64 {
+        f64::from_bits(self.private_kept.load(Relaxed))
+    }
+
+    /// A report on a request that had a private lead: `predicted` blocks
+    /// predicted held, `shared` of them held by another engine too. What
+    /// it held of the lead, `held - shared` of `predicted - shared`, moves
+    /// the average. A busy engine evicts a conversation's history between
+    /// its turns; selection then counts the history it would recompute
+    /// there (`select`), instead of keeping the conversation waiting
+    /// behind a queue for a history that is gone.
+    pub fn observe_private(&self, usage: Usage, prompt_blocks: u32, predicted: u32, shared: u32) {
+        let lead = predicted.saturating_sub(shared);
+        if usage.prompt_tokens == 0 || lead < PRIVATE_MIN_BLOCKS {
+            return;
+        }
+        let held = usage.held_blocks(prompt_blocks).min(predicted);
+        // Within the tolerance of the prediction is all of it.
+        let kept = if held + TOLERANCE_BLOCKS >= predicted {
+            1.0
+        } else {
+            f64::from(held.saturating_sub(shared)) / f64::from(lead)
+        };
+        let old = self.private_kept();
+        self.private_kept
+            .store((old + PRIVATE_ALPHA * (kept - old)).to_bits(), Relaxed);
     }
 
     /// The engine's capacity was published or configured: start there.
@@ -815,6 +855,37 @@ mod tests {
             f.observe(usage(1600), 100, &ages(5000), 0);
         }
         assert_eq!(f.capacity(), 1000);
+    }
+
+    #[test]
+    fn private_leads_lost_lower_the_share_kept_and_kept_ones_raise_it() {
+        let f = Feedback::new(10_000);
+        assert_eq!(f.private_kept(), 1.0);
+        // 100 blocks predicted, 40 of them shared: the engine held the shared
+        // part only (640 of 1600 tokens), so none of the lead.
+        for _ in 0..40 {
+            f.observe_private(usage(640), 100, 100, 40);
+        }
+        let lost = f.private_kept();
+        assert!(lost < 0.2, "{lost}");
+        // Half the lead held (70 of 100 blocks).
+        for _ in 0..200 {
+            f.observe_private(usage(1120), 100, 100, 40);
+        }
+        assert!(
+            (f.private_kept() - 0.5).abs() < 0.05,
+            "{}",
+            f.private_kept()
+        );
+        // All held.
+        for _ in 0..200 {
+            f.observe_private(usage(1600), 100, 100, 40);
+        }
+        assert!(f.private_kept() > 0.95, "{}", f.private_kept());
+        // No lead to speak of: no change.
+        let before = f.private_kept();
+        f.observe_private(usage(0), 100, 45, 40);
+        assert_eq!(f.private_kept(), before);
     }
 
     #[test]

@@ -12,6 +12,11 @@
 //!    backend does not hold, so a conversation stays on the engine holding
 //!    its history unless another is predicted faster counting the history
 //!    it would recompute. *In-flight cost*: running decodes slow a prefill.
+//!    *Lost* (`prefix.expect_lost_history`; otherwise the router passes
+//!    0): on the longest holder, the share of its private lead (the
+//!    history no other backend holds) that its answers said a busy engine
+//!    had evicted by the next turn, expected gone again; moving off it
+//!    costs the history it still keeps only.
 //! 2. *Overload*: `n` requests over the balance bound `(1 + epsilon) * mean
 //!    load + slack` cost `n² * overload_cost_blocks`, so a shared prefix hot
 //!    enough to crowd one engine gets a second engine (it is replicated)
@@ -86,6 +91,9 @@ pub struct BackendLoad {
     pub capacity_blocks: u32,
     /// Prefill rate in blocks per second, learned from observed TTFTs (0: unknown).
     pub prefill_rate: f32,
+    /// Share of a conversation's history (a private lead) its answers said
+    /// it no longer held when the next turn came (0: all kept, or unknown).
+    pub private_lost: f32,
     /// Slot engines: the cost in blocks of the slot this request would take
     /// there (a live conversation's blocks it overwrites, the wait when
     /// every slot is running; `route::slots`); 0 elsewhere.
@@ -192,6 +200,9 @@ pub struct Choice {
     pub decision: Decision,
     /// Blocks of the prompt the first candidate holds.
     pub matched_blocks: u32,
+    /// The longest match of any other eligible backend: the part of
+    /// `matched_blocks` that is not private to the first candidate.
+    pub shared_blocks: u32,
 }
 
 impl Choice {
@@ -217,6 +228,7 @@ pub fn select(
         len: 0,
         decision: Decision::Baseline,
         matched_blocks: 0,
+        shared_blocks: 0,
     };
     let eligible = loads.iter().filter(|l| l.eligible).count();
     if eligible == 0 {
@@ -244,6 +256,14 @@ pub fn select(
     };
     choice.push(first);
     choice.matched_blocks = input.matches.get(first).copied().unwrap_or(0);
+    choice.shared_blocks = loads
+        .iter()
+        .zip(input.matches)
+        .enumerate()
+        .filter(|&(b, (l, _))| b != first && l.eligible)
+        .map(|(_, (_, &m))| m)
+        .max()
+        .unwrap_or(0);
     // Fallbacks for retries: rendezvous order of the other eligible backends.
     fill_fallbacks(&mut choice, loads, input.cold_key);
     choice
@@ -264,8 +284,12 @@ struct PrefixView {
     cap: u64,
     /// No request without a private lead at or above this load.
     shared_cap: u64,
-    /// The longest match over eligible backends.
+    /// The longest match over eligible backends, and the next one.
     longest: u32,
+    second: u32,
+    /// What the longest holder keeps of a private lead (1 when two or
+    /// more hold the longest match: nothing is private then).
+    holder_kept: f64,
     /// The longest holder's lead over the next: fewer than
     /// `sticky_min_blocks` means nothing private is at stake (a new
     /// conversation on a shared prompt), and the balance bound is hard.
@@ -282,8 +306,12 @@ pub struct Score {
     pub queued_blocks: u32,
     /// Blocks it would prefill for this request.
     pub uncached_blocks: u32,
-    /// Blocks of the longest match it lacks, times `move_cost`.
+    /// Blocks of the longest match it lacks, times `move_cost`, times the
+    /// share of a private lead the longest holder keeps.
     pub move_blocks: f64,
+    /// The longest holder: the blocks of its private lead it is expected
+    /// to have lost (`BackendLoad::private_lost`), to prefill again.
+    pub lost_blocks: f64,
     /// Slot engines: a live conversation's blocks it would overwrite, times
     /// `prefix.slot_evict_cost`.
     pub evict_blocks: f64,
@@ -302,6 +330,7 @@ impl PrefixView {
     fn new(input: &RouteInput, loads: &[BackendLoad], p: &PrefixParams) -> PrefixView {
         let (mut total, mut n, mut longest, mut second) = (0u64, 0u64, 0u32, 0u32);
         let mut least = u64::MAX;
+        let mut holder_lost = 0f32;
         for (b, l) in loads.iter().enumerate() {
             if l.eligible {
                 total += l.load();
@@ -311,6 +340,7 @@ impl PrefixView {
                 if m > longest {
                     second = longest;
                     longest = m;
+                    holder_lost = l.private_lost;
                 } else {
                     second = second.max(m);
                 }
@@ -330,6 +360,12 @@ impl PrefixView {
                 + u64::from(p.slack))
             .max(1),
             longest,
+            second,
+            holder_kept: if longest > second {
+                1.0 - f64::from(holder_lost).clamp(0.0, 1.0)
+            } else {
+                1.0
+            },
             shared: match input.answered {
                 Some(answered) if p.hold_private => !answered,
                 _ => longest - second < p.sticky_min_blocks,
@@ -355,10 +391,20 @@ impl PrefixView {
         // over outweigh almost any prefix.
         let overload = p.overload_cost_blocks * (over * over) as f64;
         // Moving off the engine with the longest match also evicts as much
-        // from the new engine's cache, and strands the copy on the old one.
-        let moved = p.move_cost * f64::from(self.longest.saturating_sub(m));
+        // from the new engine's cache, and strands the copy on the old one
+        // (if it is still there).
+        let moved = p.move_cost * f64::from(self.longest.saturating_sub(m)) * self.holder_kept;
+        // A busy engine evicts a conversation's history between its turns:
+        // the share its answers said was gone is expected gone again, and
+        // prefilled again there.
+        let lost = if m >= self.longest {
+            f64::from(l.private_lost).clamp(0.0, 1.0) * f64::from(m - self.second)
+        } else {
+            0.0
+        };
         let work = f64::from(l.queued_prefill_blocks)
             + f64::from(uncached)
+            + lost
             + f64::from(l.evict_cost_blocks)
             + moved
             + in_flight_cost
@@ -370,6 +416,7 @@ impl PrefixView {
             queued_blocks: l.queued_prefill_blocks,
             uncached_blocks: uncached,
             move_blocks: moved,
+            lost_blocks: lost,
             evict_blocks: f64::from(l.evict_cost_blocks),
             in_flight_cost_blocks: in_flight_cost,
             overload_blocks: overload,

@@ -335,6 +335,37 @@ fn a_chat_past_its_first_turn_is_held_and_a_first_turn_spreads() {
     assert_ne!(select(Policy::Prefix, &i, &loads, &HOLD).first(), Some(0));
 }
 
+#[test]
+fn a_history_its_engine_keeps_losing_moves_off_a_queue() {
+    // A conversation: 300 blocks on backend 0, its system prompt (126) on
+    // all three. Backend 0 has two prefills queued; the others are idle.
+    let p = PrefixParams {
+        move_cost: 0.5,
+        ..HOLD
+    };
+    let mut loads = fleet(3);
+    loads[0].in_flight = 2;
+    loads[0].queued_prefill_blocks = 230;
+    let m = [300, 126, 126];
+    let mut i = input(&m, 313, 1);
+    i.answered = Some(true);
+    // Its answers said it kept the histories: it waits for the queue
+    // (230 + 13 against 187 to prefill elsewhere plus half the 174 it
+    // would strand), and the part another backend holds is the prompt.
+    let c = select(Policy::Prefix, &i, &loads, &p);
+    assert_eq!(c.first(), Some(0));
+    assert_eq!(c.shared_blocks, 126);
+    // Its answers said it lost 60% of them by the next turn: the history
+    // is likely gone there too, so an idle engine is faster.
+    loads[0].private_lost = 0.6;
+    let c = select(Policy::Prefix, &i, &loads, &p);
+    assert_ne!(c.first(), Some(0));
+    assert_eq!(c.matched_blocks, 126);
+    // Without the queue it stays: what it still keeps is worth the wait.
+    loads[0].queued_prefill_blocks = 0;
+    assert_eq!(select(Policy::Prefix, &i, &loads, &p).first(), Some(0));
+}
+
 proptest! {
     /// The prefix policy never sends a request to a backend at or over the
     /// safety cap while some backend is under it.
