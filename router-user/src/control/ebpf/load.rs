@@ -94,24 +94,16 @@ impl EbpfLoad {
             hint: privilege_hint(),
             source: Box::new(source),
         })?;
-        let program: &mut Xdp = ebpf
-            .program_mut(XDP_PROGRAM)
-            .ok_or(EbpfError::Missing(XDP_PROGRAM))?
-            .try_into()
-            .map_err(|_| EbpfError::Missing(XDP_PROGRAM))?;
-        program.load().map_err(|source| EbpfError::Program {
+        let load_err = |source| EbpfError::Program {
             hint: privilege_hint(),
             source: Box::new(source),
-        })?;
-        let classifier: &mut SchedClassifier = ebpf
-            .program_mut(TC_PROGRAM)
-            .ok_or(EbpfError::Missing(TC_PROGRAM))?
-            .try_into()
-            .map_err(|_| EbpfError::Missing(TC_PROGRAM))?;
-        classifier.load().map_err(|source| EbpfError::Program {
-            hint: privilege_hint(),
-            source: Box::new(source),
-        })?;
+        };
+        program_mut::<Xdp>(&mut ebpf, XDP_PROGRAM)?
+            .load()
+            .map_err(load_err)?;
+        program_mut::<SchedClassifier>(&mut ebpf, TC_PROGRAM)?
+            .load()
+            .map_err(load_err)?;
         let mut take = |name: &'static str| ebpf.take_map(name).ok_or(EbpfError::Missing(name));
         let registry = HashMap::try_from(take(BACKENDS_MAP)?)?;
         let counters = PerCpuArray::try_from(take(BACKEND_COUNTERS_MAP)?)?;
@@ -220,20 +212,23 @@ impl EbpfLoad {
     }
 
     fn xdp(&mut self) -> Result<&mut Xdp, EbpfError> {
-        self.ebpf
-            .program_mut(XDP_PROGRAM)
-            .ok_or(EbpfError::Missing(XDP_PROGRAM))?
-            .try_into()
-            .map_err(|_| EbpfError::Missing(XDP_PROGRAM))
+        program_mut(&mut self.ebpf, XDP_PROGRAM)
     }
 
     fn classifier(&mut self) -> Result<&mut SchedClassifier, EbpfError> {
-        self.ebpf
-            .program_mut(TC_PROGRAM)
-            .ok_or(EbpfError::Missing(TC_PROGRAM))?
-            .try_into()
-            .map_err(|_| EbpfError::Missing(TC_PROGRAM))
+        program_mut(&mut self.ebpf, TC_PROGRAM)
     }
+}
+
+/// The program `name` in `ebpf`, as the kind `P` it must be.
+fn program_mut<'a, P>(ebpf: &'a mut aya::Ebpf, name: &'static str) -> Result<&'a mut P, EbpfError>
+where
+    &'a mut P: TryFrom<&'a mut aya::programs::Program>,
+{
+    ebpf.program_mut(name)
+        .ok_or(EbpfError::Missing(name))?
+        .try_into()
+        .map_err(|_| EbpfError::Missing(name))
 }
 
 /// Attaches the classifier at TC ingress: a `tcx` link from kernel 6.6, else
