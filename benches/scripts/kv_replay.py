@@ -23,6 +23,12 @@ placements of the same requests:
   pooled   one engine with the whole fleet's blocks (no placement at all);
   --partitions  every assignment of whole system prompts to engines, each
            conversation staying where it started: the best, median, worst.
+  --online two families of rules that place new conversations as they
+           come, never moving one: by the engines' live demand (the
+           prompt's holder unless it is GAP live conversations over the
+           least busy engine), and by prompt owner (each prompt's new
+           conversations to one engine, the owner handed to the least busy
+           engine once the owner is GAP over it).
 """
 import argparse, collections, heapq, itertools, json
 
@@ -199,6 +205,37 @@ def prompt_home():
     return route
 
 
+def live_demand(window_ms, gap, owner):
+    """New conversations by live demand: the conversations with a request
+    in the last `window_ms` on each engine. With `owner`, each prompt's
+    new conversations go to its owner engine, handed to the least busy
+    engine once the owner is over it by more than `gap`; without, to the
+    least busy engine holding the prompt, or the least busy of all when
+    that holder is over it by more than `gap`."""
+    conv, owners, last = {}, {}, {}
+
+    def route(q, engines):
+        s, t, p = q['r']['session'], q['r']['start_ms'], q['r']['prefix_id']
+        if s not in conv:
+            d = [0] * len(engines)
+            for e, ts in last.values():
+                d[e] += t - ts <= window_ms
+            least = min(range(len(engines)), key=lambda i: (d[i], engines[i].in_flight))
+            if owner:
+                o = owners.get(p)
+                if o is None or d[o] - d[least] > gap:
+                    owners[p] = o = least
+                conv[s] = o
+            else:
+                sysb = sum(1 for k in q['keys'] if k[0] == 'p')
+                holders = [i for i, e in enumerate(engines) if sysb and e.lead(q['keys']) >= sysb]
+                h = min(holders, key=lambda i: (d[i], engines[i].in_flight), default=least)
+                conv[s] = h if d[h] - d[least] <= gap else least
+        last[s] = (conv[s], t)
+        return conv[s]
+    return route
+
+
 def partition(assign):
     conv = {}
 
@@ -213,6 +250,7 @@ def main():
     ap.add_argument('--kv-blocks', type=int, required=True)
     ap.add_argument('--engines', type=int, default=3)
     ap.add_argument('--partitions', action='store_true')
+    ap.add_argument('--online', action='store_true')
     a = ap.parse_args()
     reqs = load(a.record)
     reported = sum(q['r']['cached_tokens'] for q in reqs) / sum(q['P'] for q in reqs)
@@ -228,6 +266,15 @@ def main():
     print('strict affinity: %.1f%% (%s)' % (100 * h, per))
     h, _ = replay(reqs, a.kv_blocks * a.engines, 1, lambda q, e: 0)
     print('pooled (one engine of %d blocks): %.1f%%' % (a.kv_blocks * a.engines, 100 * h))
+    if a.online:
+        for owner in (False, True):
+            for window in (8000, 20000):
+                cells = []
+                for gap in (2, 4, 8, 10**9):
+                    h, _ = replay(reqs, a.kv_blocks, a.engines, live_demand(window, gap, owner))
+                    cells.append('%s %.1f%%' % ('never' if gap == 10**9 else gap, 100 * h))
+                print('%s, live within %d s, by gap: %s' % (
+                    'prompt owner' if owner else 'live demand', window // 1000, ', '.join(cells)))
     if a.partitions:
         prompts = sorted({q['r']['prefix_id'] for q in reqs})
         res = []

@@ -92,9 +92,7 @@ pub fn parse(
     for h in resp.headers.iter() {
         let name = h.name;
         if name.eq_ignore_ascii_case("content-length") {
-            let v = std::str::from_utf8(h.value)
-                .ok()
-                .and_then(|v| v.trim().parse::<u64>().ok());
+            let v = decimal(h.value.trim_ascii());
             match (v, length) {
                 (Some(v), None) => length = Some(v),
                 (Some(v), Some(l)) if v == l => {}
@@ -136,9 +134,11 @@ pub fn parse(
         return Err(garbage("a transfer coding an HTTP/1.0 client cannot undo"));
     }
     out.clear();
-    out.extend_from_slice(
-        format!("HTTP/1.1 {status} {}\r\n", resp.reason.unwrap_or("")).as_bytes(),
-    );
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(itoa::Buffer::new().format(status).as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(resp.reason.unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
     for h in resp.headers.iter() {
         let name = h.name;
         if HOP_BY_HOP.iter().any(|n| n.eq_ignore_ascii_case(name))
@@ -171,6 +171,18 @@ pub fn parse(
     }))
 }
 
+/// A Content-Length value: ASCII digits only (no sign, no blank inside),
+/// not past `u64`.
+fn decimal(v: &[u8]) -> Option<u64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.iter().try_fold(0u64, |n, &b| {
+        b.is_ascii_digit().then_some(())?;
+        n.checked_mul(10)?.checked_add(u64::from(b - b'0'))
+    })
+}
+
 /// Whether a `Connection` header among `headers` lists `name`.
 fn connection_lists(headers: &[httparse::Header], name: &str) -> bool {
     headers
@@ -194,6 +206,33 @@ mod tests {
         parse(raw, &Client::default(), 8192, out)
             .unwrap()
             .expect("a complete head")
+    }
+
+    #[test]
+    fn content_length_is_digits_only() {
+        let mut out = Vec::new();
+        let h = parsed(b"HTTP/1.1 200 OK\r\nContent-Length:  42 \r\n\r\n", &mut out);
+        assert_eq!(h.framing, ResponseFraming::Length(42));
+        let max = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", u64::MAX);
+        assert_eq!(
+            parsed(max.as_bytes(), &mut out).framing,
+            ResponseFraming::Length(u64::MAX)
+        );
+        // A sign, a blank inside, a non-digit, nothing, or past u64: a
+        // backend whose framing cannot be trusted gets a 502.
+        for bad in [
+            "+5",
+            "-5",
+            "1 2",
+            "5a",
+            "",
+            "18446744073709551616",
+            "\u{663}",
+        ] {
+            let raw = format!("HTTP/1.1 200 OK\r\nContent-Length: {bad}\r\n\r\n");
+            let e = parse(raw.as_bytes(), &Client::default(), 8192, &mut out).unwrap_err();
+            assert!(e.to_string().contains("Content-Length"), "{bad:?}: {e}");
+        }
     }
 
     #[test]

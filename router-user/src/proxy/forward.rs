@@ -101,8 +101,10 @@ pub struct Answered {
 pub fn finish_request_head(c: &mut ClientConn, head: &RequestHead, body: Body) {
     let len = c.body_bytes(body).len();
     if head.body != BodyFraming::None {
+        c.fwd.extend_from_slice(b"content-length: ");
         c.fwd
-            .extend_from_slice(format!("content-length: {len}\r\n").as_bytes());
+            .extend_from_slice(itoa::Buffer::new().format(len).as_bytes());
+        c.fwd.extend_from_slice(b"\r\n");
     }
     c.fwd.extend_from_slice(b"\r\n");
     if len <= COALESCE_BODY {
