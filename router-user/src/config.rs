@@ -245,6 +245,14 @@ pub struct PrefixConfig {
     /// 12-43% and cost 0.3-3.9 points of hit rate (BENCHMARKS.md,
     /// session 13). Needs `learn_from_answers`.
     pub expect_lost_history: bool,
+    /// Longest a request waits, in ms, before it is sent to an engine that
+    /// is still computing part of the prefix it was predicted to find
+    /// there, for another request in flight (0: never waits). Sent at
+    /// once, both would compute it (an engine caches a block once it has
+    /// computed it); after that request's first token it is a hit. A burst
+    /// of new conversations on one prompt is what waits (BENCHMARKS.md,
+    /// session 14).
+    pub prefill_wait_ms: u64,
     /// How backends' caches are modelled: `auto` (a backend whose `/props`
     /// answers `total_slots`, llama.cpp's, is a slot engine, any other a
     /// block cache), `blocks` (vLLM-like: the prefix index) or `slots`
@@ -284,6 +292,7 @@ impl Default for PrefixConfig {
             read_kv_capacity: true,
             learn_from_answers: true,
             expect_lost_history: false,
+            prefill_wait_ms: 1000,
             engine: EngineKind::Auto,
             slot_evict_cost: 1.0,
             slot_live_evict_blocks: 64.0,

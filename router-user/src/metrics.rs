@@ -150,6 +150,8 @@ pub struct Metrics {
     matched_blocks: Histogram,
     routing_seconds: Histogram,
     queue_seconds: Histogram,
+    /// Requests held for another request's prefill of their prefix.
+    prefill_wait_seconds: Histogram,
     /// Requests a backend closed on after reading them whole (502, not re-sent).
     unanswered: Counter,
     /// Admin connections refused because `MAX_CONNECTIONS` were open.
@@ -226,6 +228,13 @@ impl Metrics {
             "Time a request waited for a backend with room (every one at limits.max_in_flight_per_backend), queued requests only",
             queue_seconds.clone(),
         );
+        let prefill_wait_seconds =
+            Histogram::new([1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 5.0]);
+        registry.register(
+            "prefill_wait_seconds",
+            "Time a request waited for its engine to finish computing, for another request in flight, the prefix it was sent there for (prefix.prefill_wait_ms), waiting requests only",
+            prefill_wait_seconds.clone(),
+        );
         let unanswered = Counter::default();
         registry.register(
             "unanswered",
@@ -261,6 +270,7 @@ impl Metrics {
             matched_blocks,
             routing_seconds,
             queue_seconds,
+            prefill_wait_seconds,
             unanswered,
             admin_refused,
             buffered_body_bytes,
@@ -278,6 +288,11 @@ impl Metrics {
     /// A request waited this long for a backend with room.
     pub fn observe_queue(&self, waited: Duration) {
         self.queue_seconds.observe(waited.as_secs_f64());
+    }
+
+    /// A request waited `waited` for another's prefill of its prefix.
+    pub fn observe_prefill_wait(&self, waited: Duration) {
+        self.prefill_wait_seconds.observe(waited.as_secs_f64());
     }
 
     /// The admin listener refused a connection (too many open).

@@ -327,3 +327,68 @@ fn a_history_the_engine_lost_lowers_what_it_is_trusted_to_keep() {
         "{exported} against {lost}:\n{m}"
     );
 }
+
+/// Sends a completion of `prompt` from a thread; joins to its cached tokens.
+fn complete_in_thread(router: &Router, prompt: String) -> std::thread::JoinHandle<u64> {
+    let url = router.url();
+    std::thread::spawn(move || {
+        let r = post_json(
+            addr(&url),
+            "/v1/completions",
+            &json!({"model": "sim-llama-8b", "prompt": prompt, "max_tokens": 2}),
+        )
+        .expect("completion");
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0)
+    })
+}
+
+/// Two requests for one new long prompt, the second while the engine still
+/// prefills it for the first (in 4 chunks): the second waits for the first
+/// one's prefill and finds the whole prompt cached. Sent at once
+/// (`prefix.prefill_wait_ms = 0`), the engine takes it at its next step,
+/// finds the first chunk cached and computes the rest a second time.
+#[test]
+fn a_request_on_a_prompt_still_being_prefilled_waits_for_it() {
+    let engine_args = [
+        "--time-scale",
+        "1",
+        "--prefill-tps",
+        "20000",
+        "--max-num-batched-tokens",
+        "1024",
+        "--decode-step-ms",
+        "5",
+    ];
+    let d = doc(21, 256); // 4,096 tokens: 4 chunks of 1,024, 50 ms each
+    let mut cached = Vec::new();
+    for wait in [1000, 0] {
+        let engine = SimEngine::spawn(&engine_args);
+        let router = Router::spawn(
+            &[engine.url()],
+            &[],
+            &format!("[prefix]\nprefill_wait_ms = {wait}\n"),
+        );
+        router.wait_models_known();
+        let first = complete_in_thread(&router, d.clone());
+        std::thread::sleep(std::time::Duration::from_millis(60));
+        let second = complete_in_thread(&router, d.clone());
+        assert_eq!(first.join().unwrap(), 0, "a new prompt");
+        cached.push(second.join().unwrap());
+        let waits = router
+            .metrics()
+            .lines()
+            .find(|l| l.starts_with("prefix_router_prefill_wait_seconds_count"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(-1.0);
+        assert_eq!(waits, if wait > 0 { 1.0 } else { 0.0 }, "prefill waits");
+    }
+    let (waited, not) = (cached[0], cached[1]);
+    assert!(waited >= 4000, "waited: {waited} of 4,096 tokens cached");
+    assert!(
+        not < 4000,
+        "without the wait the engine computes most of it again: {not} cached"
+    );
+}

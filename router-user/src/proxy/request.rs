@@ -215,9 +215,18 @@ async fn attempt(
     ) else {
         return Err(Failure::Full);
     };
+    // Admitted first, so that routing counts it on this backend while it
+    // waits: else the whole burst would wait here, then land at once.
+    wait_for_prefill(worker, cfg, c, at).await;
     let sent_at = Instant::now();
     if let Some(stamp) = router.learn(backend, &mut c.blocks) {
-        inflight.pin(stamp);
+        // What the engine computes for it starts where the prediction ends.
+        let computing = c
+            .blocks
+            .hashes
+            .get(at.matched_blocks as usize)
+            .map(|&h| (at.matched_blocks, h));
+        inflight.pin(stamp, computing);
     }
     inflight.hold_slot(c.blocks.slot);
     let sent = forward::forward(&worker.pool, cfg, c, req, at, &mut inflight).await;
@@ -262,6 +271,34 @@ async fn attempt(
     }
     backend.stats.responded(answer.status);
     Ok(answer.close_client)
+}
+
+/// How often a request waiting for another's prefill looks again.
+const PREFILL_POLL: Duration = Duration::from_millis(1);
+
+/// Holds the request while the backend is still computing, for another
+/// request in flight, blocks it was predicted to find cached there (a
+/// burst of new conversations on one system prompt): sent now, the engine
+/// would compute them twice, as an engine caches a block only once it has
+/// computed it. It goes when that request's first token comes back (or it
+/// ends), or after `prefix.prefill_wait_ms`.
+async fn wait_for_prefill(worker: &Worker, cfg: &Config, c: &ClientConn, at: &Attempt<'_>) {
+    let load = &at.backend.load;
+    if cfg.prefix.prefill_wait_ms == 0
+        || at.matched_blocks == 0
+        || !load.computing_within(&c.blocks.hashes, at.matched_blocks)
+    {
+        return;
+    }
+    let started = Instant::now();
+    let deadline = started + ms(cfg.prefix.prefill_wait_ms);
+    while Instant::now() < deadline && load.computing_within(&c.blocks.hashes, at.matched_blocks) {
+        monoio::time::sleep(PREFILL_POLL).await;
+    }
+    worker
+        .router
+        .metrics
+        .observe_prefill_wait(started.elapsed());
 }
 
 /// The 503 for a request that waited `timeouts.queue_ms` without room.

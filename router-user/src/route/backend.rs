@@ -74,6 +74,9 @@ struct Pin {
     stamp: u64,
     blocks: u32,
     running: bool,
+    /// The first block the engine computes for it (it held the ones
+    /// before, as predicted), by position and hash.
+    computing: Option<(u32, u64)>,
 }
 
 impl Load {
@@ -116,6 +119,18 @@ impl Load {
     /// still waiting for its first body byte: the engine has not computed them
     /// yet, so not finding them says nothing of its capacity (an engine
     /// caches a block once it has computed it).
+    /// Whether a request in flight here that the engine does not run yet
+    /// is computing some of the first `matched` blocks of `hashes`: a
+    /// request sent now would find them not cached yet, and compute them
+    /// too.
+    pub fn computing_within(&self, hashes: &[u64], matched: u32) -> bool {
+        self.pins().iter().any(|p| {
+            !p.running
+                && p.computing
+                    .is_some_and(|(i, h)| i < matched && hashes.get(i as usize) == Some(&h))
+        })
+    }
+
     pub fn pinned_before(
         &self,
         stamp: u64,
@@ -513,11 +528,14 @@ impl InFlight {
 
     /// The index learned its prompt's blocks at clock `stamp`
     /// (`Router::learn`): until it ends it pins them ([`Load::pinned_before`]).
-    pub fn pin(&mut self, stamp: u64) {
+    /// `computing`: the first block the engine computes for it, by
+    /// position and hash ([`Load::computing_within`]).
+    pub fn pin(&mut self, stamp: u64, computing: Option<(u32, u64)>) {
         self.backend.load.pins().push(Pin {
             stamp,
             blocks: self.prompt_blocks,
             running: false,
+            computing,
         });
         self.pin = Some((stamp, false));
     }
@@ -601,11 +619,11 @@ mod tests {
         // Sent at clock 100 (40 blocks, 10 of them sent again since), 300
         // (50 blocks) and 500 (still queued in the engine).
         let mut early = b.admit(0, 0, 40).unwrap();
-        early.pin(100);
+        early.pin(100, None);
         let mut mid = b.admit(0, 0, 50).unwrap();
-        mid.pin(300);
+        mid.pin(300, None);
         let mut queued = b.admit(0, 0, 70).unwrap();
-        queued.pin(500);
+        queued.pin(500, None);
         let resent = |stamp: u64, _| if stamp == 100 { 10 } else { 0 };
         // Nothing runs yet: nothing is pinned.
         assert_eq!(b.load.pinned_before(400, 8, resent), Some(0));
@@ -627,5 +645,38 @@ mod tests {
         drop(mid);
         assert_eq!(b.load.pinned_before(500, 8, resent), Some(0));
         assert!(b.load.pins().is_empty());
+    }
+
+    #[test]
+    fn blocks_a_queued_request_computes_are_not_cached_yet() {
+        let b = Arc::new(Backend::new(
+            0,
+            "http://e:1",
+            "127.0.0.1:1".parse().unwrap(),
+            64,
+        ));
+        let prompt: Vec<u64> = (1..=100).collect();
+        // The engine held the first 20 blocks; this request computes the rest.
+        let mut first = b.admit(0, 80, 100).unwrap();
+        first.pin(7, Some((20, prompt[20])));
+        // Another request predicted to find 60 of them: 40 are not there yet.
+        assert!(b.load.computing_within(&prompt, 60));
+        // Predicted to find only what the engine held before: nothing to wait for.
+        assert!(!b.load.computing_within(&prompt, 20));
+        // Another prompt that shares the first 20 blocks only.
+        let other: Vec<u64> = (1..=20).chain(500..580).collect();
+        assert!(!b.load.computing_within(&other, 60));
+        // Once the engine runs it (its first token), the blocks are cached.
+        first.prefilled();
+        assert!(!b.load.computing_within(&prompt, 60));
+        drop(first);
+        let mut gone = b.admit(0, 80, 100).unwrap();
+        gone.pin(9, Some((0, prompt[0])));
+        assert!(b.load.computing_within(&prompt, 1));
+        drop(gone);
+        assert!(
+            !b.load.computing_within(&prompt, 100),
+            "an ended request computes nothing"
+        );
     }
 }
