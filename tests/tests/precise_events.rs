@@ -67,6 +67,9 @@ impl Setup {
                 s.precise(&e.url())
             );
         }
+        // A backend whose models are not listed yet is no candidate for a
+        // model's request: routing before that races model discovery.
+        s.router.wait_models_known();
         s
     }
 
