@@ -143,6 +143,9 @@ impl DecisionCounters {
     }
 }
 
+/// Buckets, in seconds, of the times a request waits before it is sent.
+const WAIT_BUCKETS: [f64; 11] = [1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 5.0];
+
 pub struct Metrics {
     registry: Registry,
     decisions: DecisionCounters,
@@ -221,15 +224,13 @@ impl Metrics {
             "Router time from the whole request read to the routing decision (extraction, hashing, index, selection), without the time queued for a backend with room",
             routing_seconds.clone(),
         );
-        let queue_seconds =
-            Histogram::new([1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 5.0]);
+        let queue_seconds = Histogram::new(WAIT_BUCKETS);
         registry.register(
             "queue_seconds",
             "Time a request waited for a backend with room (every one at limits.max_in_flight_per_backend), queued requests only",
             queue_seconds.clone(),
         );
-        let prefill_wait_seconds =
-            Histogram::new([1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 5.0]);
+        let prefill_wait_seconds = Histogram::new(WAIT_BUCKETS);
         registry.register(
             "prefill_wait_seconds",
             "Time a request waited for its engine to finish computing, for another request in flight, the prefix it was sent there for (prefix.prefill_wait_ms), waiting requests only",

@@ -105,6 +105,23 @@ impl Load {
         self.rst_per_sec.load(Relaxed)
     }
 
+    /// Whether a request in flight here that the engine does not run yet
+    /// is computing some of the first `matched` blocks of `hashes`: a
+    /// request sent now would find them not cached yet, and compute them
+    /// too. Such a request has queued prefill (it computes a block at
+    /// least) until its first body byte, so an engine with none is answered
+    /// without the lock.
+    pub fn computing_within(&self, hashes: &[u64], matched: u32) -> bool {
+        if self.queued_prefill_blocks() == 0 {
+            return false;
+        }
+        self.pins().iter().any(|p| {
+            !p.running
+                && p.computing
+                    .is_some_and(|(i, h)| i < matched && hashes.get(i as usize) == Some(&h))
+        })
+    }
+
     /// Blocks the engine's running requests hold that an age measured from
     /// clock `stamp` does not count (`PrefixIndex::distinct_ages`): the
     /// prompts of requests sent before `stamp` (less what was sent again
@@ -119,18 +136,6 @@ impl Load {
     /// still waiting for its first body byte: the engine has not computed them
     /// yet, so not finding them says nothing of its capacity (an engine
     /// caches a block once it has computed it).
-    /// Whether a request in flight here that the engine does not run yet
-    /// is computing some of the first `matched` blocks of `hashes`: a
-    /// request sent now would find them not cached yet, and compute them
-    /// too.
-    pub fn computing_within(&self, hashes: &[u64], matched: u32) -> bool {
-        self.pins().iter().any(|p| {
-            !p.running
-                && p.computing
-                    .is_some_and(|(i, h)| i < matched && hashes.get(i as usize) == Some(&h))
-        })
-    }
-
     pub fn pinned_before(
         &self,
         stamp: u64,
@@ -608,14 +613,18 @@ impl Drop for ConnCount {
 mod tests {
     use super::*;
 
-    #[test]
-    fn running_requests_pin_what_an_age_does_not_count() {
-        let b = Arc::new(Backend::new(
+    fn backend() -> Arc<Backend> {
+        Arc::new(Backend::new(
             0,
             "http://e:1",
             "127.0.0.1:1".parse().unwrap(),
             64,
-        ));
+        ))
+    }
+
+    #[test]
+    fn running_requests_pin_what_an_age_does_not_count() {
+        let b = backend();
         // Sent at clock 100 (40 blocks, 10 of them sent again since), 300
         // (50 blocks) and 500 (still queued in the engine).
         let mut early = b.admit(0, 0, 40).unwrap();
@@ -649,12 +658,7 @@ mod tests {
 
     #[test]
     fn blocks_a_queued_request_computes_are_not_cached_yet() {
-        let b = Arc::new(Backend::new(
-            0,
-            "http://e:1",
-            "127.0.0.1:1".parse().unwrap(),
-            64,
-        ));
+        let b = backend();
         let prompt: Vec<u64> = (1..=100).collect();
         // The engine held the first 20 blocks; this request computes the rest.
         let mut first = b.admit(0, 80, 100).unwrap();
