@@ -196,6 +196,49 @@ pub fn start_engines(bins: &Bins, n: usize, args: &[String]) -> anyhow::Result<V
         .collect()
 }
 
+/// Where an engine publishes its KV-cache events: the live stream's port
+/// and the replay socket's, on 127.0.0.1.
+#[derive(Clone, Copy, Debug)]
+pub struct EventPorts {
+    pub live: u16,
+    pub replay: u16,
+}
+
+/// [`start_engines`] publishing vLLM's KV-cache events, each engine on two
+/// free ports. A port picked free can be taken before the engine binds it:
+/// a start that fails is tried again on fresh ports, 3 times.
+pub fn start_engines_with_events(
+    bins: &Bins,
+    n: usize,
+    args: &[String],
+) -> anyhow::Result<Vec<(Engine, EventPorts)>> {
+    (0..n)
+        .map(|i| {
+            let id = format!("engine-{i}");
+            let mut tries = 0;
+            loop {
+                let ports = EventPorts {
+                    live: testkit::proc::free_port(),
+                    replay: testkit::proc::free_port(),
+                };
+                let mut all = vec![
+                    "--kv-events-port".to_string(),
+                    ports.live.to_string(),
+                    "--kv-events-replay-port".to_string(),
+                    ports.replay.to_string(),
+                ];
+                all.extend_from_slice(args);
+                tries += 1;
+                match Engine::start(bins, &id, &all) {
+                    Ok(e) => return Ok((e, ports)),
+                    Err(e) if tries >= 3 => return Err(e),
+                    Err(_) => {}
+                }
+            }
+        })
+        .collect()
+}
+
 /// A running `prefix-router`.
 pub struct Router {
     pub addr: SocketAddr,

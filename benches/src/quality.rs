@@ -147,6 +147,81 @@ impl Front<'_> {
 /// A policy name ending so runs on the baseline build (see `run_one`).
 pub const BASELINE_SUFFIX: &str = "@baseline";
 
+/// A policy name ending so runs in precise mode: the engines publish their
+/// KV-cache events as vLLM does and the router subscribes (`[precise]`).
+/// `prefix@precise+extra.toml` adds that file's settings.
+pub const PRECISE_SUFFIX: &str = "@precise";
+
+/// A front's name as `(policy, on the baseline build, in precise mode,
+/// config file)`.
+fn parse_policy(front: &str) -> (&str, bool, bool, Option<&str>) {
+    let (name, config) = front
+        .split_once(CONFIG_SEPARATOR)
+        .map_or((front, None), |(n, c)| (n, Some(c)));
+    if let Some(p) = name.strip_suffix(BASELINE_SUFFIX) {
+        return (p, true, false, config);
+    }
+    if let Some(p) = name.strip_suffix(PRECISE_SUFFIX) {
+        return (p, false, true, config);
+    }
+    (name, false, false, config)
+}
+
+/// The config file of a precise-mode run: every engine with its event
+/// endpoints, `[precise]` on, then the settings of `extra` (a file);
+/// removed on drop.
+struct PreciseConfigFile(std::path::PathBuf);
+
+impl PreciseConfigFile {
+    fn write(
+        urls: &[String],
+        events: &[fleet::EventPorts],
+        extra: Option<&str>,
+    ) -> anyhow::Result<PreciseConfigFile> {
+        use std::fmt::Write as _;
+        static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let mut text = String::from("backends = [\n");
+        for (url, p) in urls.iter().zip(events) {
+            writeln!(
+                text,
+                "  {{ url = \"{url}\", kv_events = \"tcp://127.0.0.1:{}\", kv_events_replay = \"tcp://127.0.0.1:{}\" }},",
+                p.live, p.replay
+            )?;
+        }
+        text.push_str("]\n");
+        let extra = match extra {
+            Some(f) => std::fs::read_to_string(f).with_context(|| format!("reading {f}"))?,
+            None => String::new(),
+        };
+        // `enabled` goes into the file's own `[precise]` table if it has one.
+        match extra.find("[precise]\n") {
+            Some(at) => {
+                let end = at + "[precise]\n".len();
+                text.push_str(&extra[..end]);
+                text.push_str("enabled = true\n");
+                text.push_str(&extra[end..]);
+            }
+            None => {
+                text.push_str(&extra);
+                text.push_str("\n[precise]\nenabled = true\n");
+            }
+        }
+        let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!(
+            "prefix-bench-precise-{}-{seq}.toml",
+            std::process::id()
+        ));
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        Ok(PreciseConfigFile(path))
+    }
+}
+
+impl Drop for PreciseConfigFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// Prints the capacity the router learned for each engine beside the real one.
 fn print_learned_capacity(r: &Router, qs: &QualityScenario) {
     let Ok(v) = r.backends() else { return };
@@ -276,31 +351,59 @@ pub fn run_one(
 ) -> anyhow::Result<PolicyRun> {
     anyhow::ensure!(!fleet::interrupted(), "interrupted");
     let args = timing.engine_args(qs.kv_blocks, qs.hide_capacity);
-    let engines = fleet::start_engines(bins, qs.drive.engines, &args)?;
+    let (policy, baseline, precise, config) = match front {
+        Front::Policy(p) => parse_policy(p),
+        Front::Peer(..) => ("", false, false, None),
+    };
+    let (engines, events): (Vec<Engine>, Vec<fleet::EventPorts>) = if precise {
+        fleet::start_engines_with_events(bins, qs.drive.engines, &args)?
+            .into_iter()
+            .unzip()
+    } else {
+        (
+            fleet::start_engines(bins, qs.drive.engines, &args)?,
+            Vec::new(),
+        )
+    };
     let model = engine_model(&engines[0])?;
+    let mut precise_config = None;
     let router = match front {
+        Front::Peer(venv, peer) => Running::Peer(PeerRouter::start(venv, peer, &engines, &model)?),
+        // `prefix@precise`: the engines' KV events, on this build.
+        Front::Policy(_) if precise => {
+            let urls: Vec<String> = engines.iter().map(Engine::url).collect();
+            let file = PreciseConfigFile::write(&urls, &events, config)?;
+            let args = ["--config".to_string(), file.0.display().to_string()];
+            precise_config = Some(file);
+            Running::Ours(Router::start_bin(
+                &bins.path("prefix-router"),
+                &[],
+                policy,
+                &args,
+            )?)
+        }
         // `prefix@baseline`: the policy on another build of the router
         // (`overhead::BASELINE_ENV`), for a before/after in one run.
+        Front::Policy(p) if baseline => {
+            let bin = std::env::var_os(crate::overhead::BASELINE_ENV).with_context(|| {
+                format!(
+                    "{p} needs {} set to a router binary",
+                    crate::overhead::BASELINE_ENV
+                )
+            })?;
+            let urls: Vec<String> = engines.iter().map(Engine::url).collect();
+            let args: Vec<String> = config
+                .map(|c| vec!["--config".to_string(), c.to_string()])
+                .unwrap_or_default();
+            Running::Ours(Router::start_bin(Path::new(&bin), &urls, policy, &args)?)
+        }
         // `prefix+tuned.toml`: the policy with a config file (tuning runs).
-        Front::Policy(p) if p.contains(CONFIG_SEPARATOR) => {
-            let (policy, config) = p.split_once(CONFIG_SEPARATOR).unwrap_or((p, ""));
-            let args = ["--config".to_string(), config.to_string()];
+        Front::Policy(_) => {
+            let args: Vec<String> = config
+                .map(|c| vec!["--config".to_string(), c.to_string()])
+                .unwrap_or_default();
             Running::Ours(Router::start(bins, &engines, policy, &args)?)
         }
-        Front::Policy(p) => match p.strip_suffix(BASELINE_SUFFIX) {
-            Some(policy) => {
-                let bin = std::env::var_os(crate::overhead::BASELINE_ENV).with_context(|| {
-                    format!(
-                        "{p} needs {} set to a router binary",
-                        crate::overhead::BASELINE_ENV
-                    )
-                })?;
-                let urls: Vec<String> = engines.iter().map(Engine::url).collect();
-                Running::Ours(Router::start_bin(Path::new(&bin), &urls, policy, &[])?)
-            }
-            None => Running::Ours(Router::start(bins, &engines, p, &[])?),
-        },
-        Front::Peer(venv, peer) => Running::Peer(PeerRouter::start(venv, peer, &engines, &model)?),
     };
     let before: Vec<u64> = engines.iter().map(engine_requests).collect();
     let mut cfg = RunConfig::new(router.url(), qs.scaled(timing.time_scale));
@@ -332,6 +435,7 @@ pub fn run_one(
         Running::Peer(_) => RoutingTime::default(),
     };
     drop(router);
+    drop(precise_config);
     drop(engines);
     Ok(PolicyRun {
         policy: front.name(),
@@ -607,6 +711,58 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("pressure-published"), "{err}");
+    }
+
+    #[test]
+    fn a_precise_front_gives_the_router_every_engine_s_events() {
+        assert_eq!(parse_policy("prefix"), ("prefix", false, false, None));
+        assert_eq!(
+            parse_policy("prefix@baseline+a.toml"),
+            ("prefix", true, false, Some("a.toml"))
+        );
+        assert_eq!(
+            parse_policy("prefix@precise"),
+            ("prefix", false, true, None)
+        );
+        let urls = [
+            "http://127.0.0.1:7001".to_string(),
+            "http://127.0.0.1:7002".into(),
+        ];
+        let ports = [
+            fleet::EventPorts {
+                live: 9001,
+                replay: 9002,
+            },
+            fleet::EventPorts {
+                live: 9003,
+                replay: 9004,
+            },
+        ];
+        let extra = std::env::temp_dir().join(format!("precise-extra-{}.toml", std::process::id()));
+        std::fs::write(
+            &extra,
+            "[precise]\nburst_ms = 500\n[prefix]\nblock_bytes = 64\n",
+        )
+        .unwrap();
+        let extra_name = extra.display().to_string();
+        for (extra, burst) in [(None, 2000), (Some(extra_name.as_str()), 500)] {
+            let file = PreciseConfigFile::write(&urls, &ports, extra).unwrap();
+            let cfg = prefix_router::config::Config::from_file(&file.0).unwrap();
+            assert!(cfg.precise.enabled);
+            assert_eq!(cfg.precise.burst_ms, burst);
+            let endpoints: Vec<_> = cfg.backends.iter().map(|b| b.kv_events()).collect();
+            assert_eq!(
+                endpoints,
+                [
+                    (Some("tcp://127.0.0.1:9001"), Some("tcp://127.0.0.1:9002")),
+                    (Some("tcp://127.0.0.1:9003"), Some("tcp://127.0.0.1:9004")),
+                ]
+            );
+            let path = file.0.clone();
+            drop(file);
+            assert!(!path.exists(), "removed after the run");
+        }
+        std::fs::remove_file(extra).unwrap();
     }
 
     #[test]

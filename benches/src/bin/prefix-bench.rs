@@ -89,6 +89,9 @@ struct QualityArgs {
     #[arg(long = "scenario", value_delimiter = ',')]
     scenarios: Vec<String>,
     /// prefix-router policies for every scenario [default: each scenario's own].
+    /// `POLICY+FILE.toml` runs it with that config file; `POLICY@baseline` on
+    /// the build in PREFIX_BENCH_BASELINE_ROUTER; `POLICY@precise` in precise
+    /// mode (the engines publish KV events, the router subscribes).
     #[arg(long, value_delimiter = ',')]
     policies: Option<Vec<String>>,
     #[command(flatten)]
