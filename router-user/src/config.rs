@@ -550,6 +550,9 @@ impl Config {
         if !(self.prefix.overload_cost_blocks >= 0.0 && self.prefix.pressure_slack >= 0.0) {
             bail!("prefix.overload_cost_blocks and prefix.pressure_slack must be at least 0");
         }
+        if !(self.prefix.move_cost >= 0.0 && self.precise.move_cost >= 0.0) {
+            bail!("prefix.move_cost and precise.move_cost must be at least 0");
+        }
         for p in &self.routes.extra_allowed {
             let mut norm = Vec::new();
             crate::http::request::normalise_path(p.as_bytes(), &mut norm);

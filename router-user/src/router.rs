@@ -408,7 +408,8 @@ impl Router {
             Policy::LeastRequest
         };
         // Candidates are positions in `fleet.backends`.
-        let choice = select::select(policy, &input, &scratch.loads, &cfg.prefix.params());
+        let params = prefix_params(&cfg, scratch);
+        let choice = select::select(policy, &input, &scratch.loads, &params);
         let model = want.stats().clone();
         Ok(Routed {
             choice,
@@ -500,7 +501,8 @@ impl Router {
             ticket: 0,
             answered: scratch.answered,
         };
-        select::prefix_scores(&input, &scratch.loads, &self.config.load().prefix.params())
+        let params = prefix_params(&self.config.load(), scratch);
+        select::prefix_scores(&input, &scratch.loads, &params)
     }
 
     /// Stop taking new connections and requests (SIGTERM).
@@ -608,6 +610,17 @@ fn fleet_slots(fleet: &Fleet) -> usize {
 const SAME_RATE_FACTOR: f32 = 1.5;
 
 /// Replaces rates near the fleet's median by the median (see `SAME_RATE_FACTOR`).
+/// The prefix policy's tuning for the request routed with `scratch`:
+/// `precise.move_cost` when some backend's match came from its engine's
+/// events.
+fn prefix_params(cfg: &Config, scratch: &RouteScratch) -> select::PrefixParams {
+    let mut p = cfg.prefix.params();
+    if !scratch.precise_mask.is_empty() {
+        p.move_cost = cfg.precise.move_cost;
+    }
+    p
+}
+
 fn same_hardware_same_rate(loads: &mut [BackendLoad], rates: &mut Vec<f32>) {
     rates.clear();
     rates.extend(loads.iter().map(|l| l.prefill_rate).filter(|&r| r > 0.0));
@@ -696,6 +709,19 @@ mod tests {
         let rates: Vec<f32> = loads.iter().map(|l| l.prefill_rate).collect();
         // 800 is more than 1.5x below the median: a slower engine, kept.
         assert_eq!(rates, [1300.0, 1300.0, 1300.0, 800.0, 3000.0]);
+    }
+
+    #[test]
+    fn a_request_routed_on_engine_events_moves_at_the_precise_cost() {
+        let mut cfg = Config::default();
+        cfg.precise.move_cost = 4.0;
+        let mut scratch = RouteScratch::default();
+        assert_eq!(
+            prefix_params(&cfg, &scratch).move_cost,
+            cfg.prefix.move_cost
+        );
+        scratch.precise_mask.insert(1);
+        assert_eq!(prefix_params(&cfg, &scratch).move_cost, 4.0);
     }
 
     #[test]

@@ -30,6 +30,13 @@ pub struct PreciseConfig {
     /// backend for this long, so siblings of a burst land together before
     /// the engine's events arrive (milliseconds after the request). 0: off.
     pub burst_ms: u32,
+    /// `prefix.move_cost` for a request routed on the engines' events.
+    /// They show an evicted history at once, so a conversation's holder
+    /// matches only what it still has, and at 0.5 a block the conversation
+    /// leaves for any shorter queue, splitting system prompts over engines
+    /// that then evict more: 5.5 points of hits lost on pressure-published
+    /// (BENCHMARKS.md, session 16). 4 keeps it with its prompt's engine.
+    pub move_cost: f64,
     /// A backend whose stream lost a batch for good (a gap replay could not
     /// fill, a batch that did not decode) is forgotten by the precise index
     /// and stays DEGRADED this long, while its stream refills the index.
@@ -64,6 +71,7 @@ impl Default for PreciseConfig {
             topic: String::new(),
             block_tokens: crate::precise::keys::DEFAULT_BLOCK_TOKENS,
             burst_ms: 2000,
+            move_cost: 4.0,
             recover_ms: 10_000,
             tokenizer_dir: None,
             tokenizers: BTreeMap::new(),
