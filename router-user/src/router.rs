@@ -609,7 +609,6 @@ fn fleet_slots(fleet: &Fleet) -> usize {
 /// chase that noise; a GPU twice as fast still shows.
 const SAME_RATE_FACTOR: f32 = 1.5;
 
-/// Replaces rates near the fleet's median by the median (see `SAME_RATE_FACTOR`).
 /// The prefix policy's tuning for the request routed with `scratch`:
 /// `precise.move_cost` when some backend's match came from its engine's
 /// events.
@@ -621,6 +620,7 @@ fn prefix_params(cfg: &Config, scratch: &RouteScratch) -> select::PrefixParams {
     p
 }
 
+/// Replaces rates near the fleet's median by the median (see `SAME_RATE_FACTOR`).
 fn same_hardware_same_rate(loads: &mut [BackendLoad], rates: &mut Vec<f32>) {
     rates.clear();
     rates.extend(loads.iter().map(|l| l.prefill_rate).filter(|&r| r > 0.0));
@@ -714,14 +714,14 @@ mod tests {
     #[test]
     fn a_request_routed_on_engine_events_moves_at_the_precise_cost() {
         let mut cfg = Config::default();
-        cfg.precise.move_cost = 4.0;
+        cfg.precise.move_cost = 3.0;
         let mut scratch = RouteScratch::default();
         assert_eq!(
             prefix_params(&cfg, &scratch).move_cost,
             cfg.prefix.move_cost
         );
         scratch.precise_mask.insert(1);
-        assert_eq!(prefix_params(&cfg, &scratch).move_cost, 4.0);
+        assert_eq!(prefix_params(&cfg, &scratch).move_cost, 3.0);
     }
 
     #[test]
