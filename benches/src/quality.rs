@@ -366,12 +366,15 @@ pub fn run_one(
         )
     };
     let model = engine_model(&engines[0])?;
+    let urls: Vec<String> = engines.iter().map(Engine::url).collect();
+    let config_args: Vec<String> = config
+        .map(|c| vec!["--config".to_string(), c.to_string()])
+        .unwrap_or_default();
     let mut precise_config = None;
     let router = match front {
         Front::Peer(venv, peer) => Running::Peer(PeerRouter::start(venv, peer, &engines, &model)?),
         // `prefix@precise`: the engines' KV events, on this build.
         Front::Policy(_) if precise => {
-            let urls: Vec<String> = engines.iter().map(Engine::url).collect();
             let file = PreciseConfigFile::write(&urls, &events, config)?;
             let args = ["--config".to_string(), file.0.display().to_string()];
             precise_config = Some(file);
@@ -391,19 +394,15 @@ pub fn run_one(
                     crate::overhead::BASELINE_ENV
                 )
             })?;
-            let urls: Vec<String> = engines.iter().map(Engine::url).collect();
-            let args: Vec<String> = config
-                .map(|c| vec!["--config".to_string(), c.to_string()])
-                .unwrap_or_default();
-            Running::Ours(Router::start_bin(Path::new(&bin), &urls, policy, &args)?)
+            Running::Ours(Router::start_bin(
+                Path::new(&bin),
+                &urls,
+                policy,
+                &config_args,
+            )?)
         }
         // `prefix+tuned.toml`: the policy with a config file (tuning runs).
-        Front::Policy(_) => {
-            let args: Vec<String> = config
-                .map(|c| vec!["--config".to_string(), c.to_string()])
-                .unwrap_or_default();
-            Running::Ours(Router::start(bins, &engines, policy, &args)?)
-        }
+        Front::Policy(_) => Running::Ours(Router::start_urls(bins, &urls, policy, &config_args)?),
     };
     let before: Vec<u64> = engines.iter().map(engine_requests).collect();
     let mut cfg = RunConfig::new(router.url(), qs.scaled(timing.time_scale));
