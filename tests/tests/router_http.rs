@@ -234,6 +234,22 @@ fn bodies_arrive_byte_exact() {
     let (status, _, body) = read_response(&mut rd);
     assert_eq!(status, 200);
     assert_eq!(body, payload);
+
+    // A long chunked body: decoded, then sent behind the head in one write.
+    let payload = serde_json::to_vec(&chat("chunked", &"long ".repeat(40_000), 1)).unwrap();
+    let mut req =
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+            .to_vec();
+    for part in payload.chunks(4093) {
+        req.extend(format!("{:x}\r\n", part.len()).as_bytes());
+        req.extend(part);
+        req.extend(b"\r\n");
+    }
+    req.extend(b"0\r\n\r\n");
+    s.write_all(&req).unwrap();
+    let (status, _, body) = read_response(&mut rd);
+    assert_eq!(status, 200);
+    assert!(body == payload, "200 KB chunked body changed on the way");
 }
 
 #[test]
