@@ -39,6 +39,7 @@ pub mod loadgen;
 pub mod micro;
 pub mod nginx;
 pub mod overhead;
+pub mod overhead_report;
 pub mod peers;
 pub mod quality;
 pub mod quality_report;

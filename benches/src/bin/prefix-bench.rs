@@ -412,7 +412,10 @@ fn bench(
         ..Default::default()
     };
     if let Some(dir) = &a.criterion_dir {
-        r.micro = router_benches::micro::read(dir, &["extract", "hash", "index", "select"]);
+        r.micro = router_benches::micro::read(
+            dir,
+            &["extract", "extract_hash", "hash", "index", "select"],
+        );
     }
     if !a.skip_overhead {
         pb.set_position(0);
