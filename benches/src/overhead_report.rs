@@ -22,15 +22,8 @@ pub fn check_issue13(o: &OverheadResults, c: &mut Vec<Check>) {
         o.row(phase, conc, "prefix-router")
             .zip(o.row(phase, conc, "nginx"))
     };
-    let cpu = |r: &Row| r.cpu_us_per_req.unwrap_or(0.0);
     if let Some((r, n)) = pair("tiny", 64) {
-        let ratio = cpu(r) / cpu(n).max(1e-9);
-        c.push(Check {
-            target: format!("tiny, 64 connections: CPU per request <= {TINY_CPU}x nginx's"),
-            measured: format!("{:.1} us vs nginx {:.1} us", cpu(r), cpu(n)),
-            met: ratio <= TINY_CPU,
-            margin: format!("{ratio:.2}x"),
-        });
+        c.push(cpu_check("tiny, 64 connections", r, n, TINY_CPU));
         let ratio = r.rps / n.rps.max(1e-9);
         c.push(Check {
             target: format!("tiny, 64 connections: throughput >= {TINY_RPS}x nginx's"),
@@ -52,13 +45,7 @@ pub fn check_issue13(o: &OverheadResults, c: &mut Vec<Check>) {
         let Some((r, n)) = pair(&format!("prompt-{kb}KB"), o.cfg.size_concurrency) else {
             continue;
         };
-        let ratio = cpu(r) / cpu(n).max(1e-9);
-        c.push(Check {
-            target: format!("{kb} KB prompt: CPU per request <= {LONG_CPU}x nginx's"),
-            measured: format!("{:.1} us vs nginx {:.1} us", cpu(r), cpu(n)),
-            met: ratio <= LONG_CPU,
-            margin: format!("{ratio:.2}x"),
-        });
+        c.push(cpu_check(&format!("{kb} KB prompt"), r, n, LONG_CPU));
         let d = r.added_p50_us - n.added_p50_us;
         c.push(Check {
             target: format!("{kb} KB prompt: added p50 <= nginx's + {LONG_ADDED_US:.0} us"),
@@ -72,10 +59,27 @@ pub fn check_issue13(o: &OverheadResults, c: &mut Vec<Check>) {
     }
 }
 
+/// The router's CPU per request at most `limit` times nginx's.
+fn cpu_check(case: &str, r: &Row, n: &Row, limit: f64) -> Check {
+    let (rc, nc) = (
+        r.cpu_us_per_req.unwrap_or(0.0),
+        n.cpu_us_per_req.unwrap_or(0.0),
+    );
+    let ratio = rc / nc.max(1e-9);
+    Check {
+        target: format!("{case}: CPU per request <= {limit}x nginx's"),
+        measured: format!("{rc:.1} us vs nginx {nc:.1} us"),
+        met: ratio <= limit,
+        margin: format!("{ratio:.2}x"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::overhead::OverheadCfg;
+
+    const R: &str = "prefix-router";
 
     fn row(
         phase: &str,
@@ -129,29 +133,13 @@ mod tests {
     #[test]
     fn session_18_s_run_misses_only_the_tiny_throughput() {
         let o = results(vec![
-            row("tiny", 64, "prefix-router", 64_269.0, 2_353.0, 13.8, 294.0),
+            row("tiny", 64, R, 64_269.0, 2_353.0, 13.8, 294.0),
             row("tiny", 64, "nginx", 50_841.0, 2_519.0, 18.6, 585.0),
-            row("prompt-4KB", 1, "prefix-router", 8_103.0, 193.0, 55.1, 48.0),
+            row("prompt-4KB", 1, R, 8_103.0, 193.0, 55.1, 48.0),
             row("prompt-4KB", 1, "nginx", 9_351.0, 176.0, 43.5, 36.0),
-            row(
-                "prompt-64KB",
-                1,
-                "prefix-router",
-                3_355.0,
-                392.0,
-                85.4,
-                63.0,
-            ),
+            row("prompt-64KB", 1, R, 3_355.0, 392.0, 85.4, 63.0),
             row("prompt-64KB", 1, "nginx", 3_504.0, 381.0, 67.9, 50.0),
-            row(
-                "prompt-400KB",
-                1,
-                "prefix-router",
-                669.0,
-                1_937.0,
-                213.2,
-                111.0,
-            ),
+            row("prompt-400KB", 1, R, 669.0, 1_937.0, 213.2, 111.0),
             row("prompt-400KB", 1, "nginx", 616.0, 2_286.0, 160.4, 297.0),
         ]);
         let v = verdicts(&o);
@@ -173,15 +161,7 @@ mod tests {
     #[test]
     fn a_dear_long_prompt_misses_its_targets() {
         let o = results(vec![
-            row(
-                "prompt-400KB",
-                1,
-                "prefix-router",
-                500.0,
-                3_000.0,
-                320.0,
-                450.0,
-            ),
+            row("prompt-400KB", 1, R, 500.0, 3_000.0, 320.0, 450.0),
             row("prompt-400KB", 1, "nginx", 600.0, 2_300.0, 160.0, 300.0),
         ]);
         let v = verdicts(&o);
