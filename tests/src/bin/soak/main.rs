@@ -100,10 +100,14 @@ struct Done {
     outcome: Outcome,
 }
 
-/// One kill: which engine, and when.
+/// One kill: which engine, and when. The engine died somewhere between `from`
+/// (just before SIGKILL was sent) and `to` (once it was reaped): a request the
+/// router cut short can end before the killer thread notes the time, so a
+/// single instant taken after the kill would call it a loss with no kill.
 struct Kill {
     id: String,
-    at: Instant,
+    from: Instant,
+    to: Instant,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -182,12 +186,14 @@ fn main() -> anyhow::Result<()> {
                 next += 1;
                 let mut slot = engines[i].lock().expect("engine slot");
                 if let Some(mut e) = slot.take() {
+                    let from = Instant::now();
                     let _ = e.child.child.kill();
+                    let _ = e.child.child.wait();
                     kills_k.lock().expect("kills").push(Kill {
                         id: format!("e{i}"),
-                        at: Instant::now(),
+                        from,
+                        to: Instant::now(),
                     });
-                    let _ = e.child.child.wait();
                 }
                 drop(slot);
                 let interrupted = sleep_unless(&stop_k, down);
@@ -222,13 +228,13 @@ fn main() -> anyhow::Result<()> {
     let at_a_kill = |d: &Done, id: Option<&str>| {
         kills
             .iter()
-            .any(|k| k.at >= d.start && k.at <= d.end && id.is_none_or(|id| id == k.id))
+            .any(|k| k.to >= d.start && k.from <= d.end && id.is_none_or(|id| id == k.id))
     };
     let settle = Duration::from_secs_f64(args.down) + Duration::from_secs(1);
     let near_a_kill = |d: &Done| {
         kills
             .iter()
-            .any(|k| d.end >= k.at && d.start <= k.at + settle)
+            .any(|k| d.end >= k.from && d.start <= k.to + settle)
     };
     let (mut ok, mut on_killed, mut other) = (0u64, 0u64, 0u64);
     for d in results.iter() {
