@@ -241,9 +241,12 @@ pub struct PrefixConfig {
     /// Expect the share of conversations' histories an engine lost by their
     /// next turn (its answers say) to be lost again, on its queue and on
     /// the request's: later turns leave a busy engine that keeps evicting
-    /// their history. Off by default: beside the peers it cut TTFT p99 by
-    /// 12-43% and cost 0.3-3.9 points of hit rate (BENCHMARKS.md,
-    /// session 13). Needs `learn_from_answers`.
+    /// their history. Only past a prompt every eligible engine holds
+    /// (`route::select::SHARED_MIN_BLOCKS`), so that the lead it discounts
+    /// is a history and never a prompt's only copy: on by default since
+    /// session 21, when it cut the hot prompt's TTFT p99 from 436 to 238 ms
+    /// (round-robin 422) and lost no hits under pressure (BENCHMARKS.md,
+    /// session 21). Needs `learn_from_answers`.
     pub expect_lost_history: bool,
     /// Longest a request waits, in ms, before it is sent to an engine that
     /// is still computing part of the prefix it was predicted to find
@@ -291,7 +294,7 @@ impl Default for PrefixConfig {
             kv_blocks: 65_536,
             read_kv_capacity: true,
             learn_from_answers: true,
-            expect_lost_history: false,
+            expect_lost_history: true,
             prefill_wait_ms: 1000,
             engine: EngineKind::Auto,
             slot_evict_cost: 1.0,

@@ -283,9 +283,26 @@ fn a_history_the_engine_lost_lowers_what_it_is_trusted_to_keep() {
     let urls: Vec<String> = engines.iter().map(SimEngine::url).collect();
     let router = Router::spawn(&urls, &["--debug-headers"], "");
     router.wait_models_known();
-    // A document only one engine holds: repeated there, all of it is that
-    // engine's private lead, and it kept it.
-    let d = doc(7, 64);
+    // A system prompt of 16 blocks on both engines: sent once, then again
+    // (another turn) while its engine is drained.
+    let prompt = doc(1, 16);
+    let (first, _) = complete(&router, &format!("{prompt}{}", doc(2, 4)));
+    let drain = |path: &str| {
+        let q = format!(
+            "{path}?backend={}",
+            first.replace(':', "%3A").replace('/', "%2F")
+        );
+        let r = request(router.admin, "POST", &q, &[], b"").expect("admin");
+        assert_eq!(r.status, 200, "{}", r.text());
+    };
+    drain("/admin/drain");
+    let (second, _) = complete(&router, &format!("{prompt}{}", doc(3, 4)));
+    assert_ne!(first, second);
+    drain("/admin/undrain");
+    // A conversation over it: repeated on one engine, its history (48
+    // blocks past the prompt every engine holds) is that engine's private
+    // lead, and it kept it.
+    let d = format!("{prompt}{}", doc(7, 48));
     let (holder, _) = complete(&router, &d);
     let (again, cached) = complete(&router, &d);
     assert_eq!(holder, again);

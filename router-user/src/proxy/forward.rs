@@ -48,6 +48,8 @@ pub struct Attempt<'a> {
     /// How many of them another backend held too (the rest is private:
     /// a conversation's history).
     pub shared_blocks: u32,
+    /// How many of them every eligible backend held.
+    pub everywhere_blocks: u32,
     pub decision: Decision,
     /// Only a fresh connection (a pooled one just failed).
     pub fresh_only: bool,

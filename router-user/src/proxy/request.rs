@@ -15,6 +15,7 @@ use crate::proxy::forward::{self, Attempt, Failure};
 use crate::proxy::io::write_all;
 use crate::proxy::worker::Worker;
 use crate::route::models::ModelStats;
+use crate::route::select::SHARED_MIN_BLOCKS;
 use crate::router::{RouteQuery, Routed};
 
 /// How often a request queued for room under `limits.max_in_flight_per_backend`
@@ -125,15 +126,17 @@ pub async fn handle(
             }
             let pos = usize::from(routed.choice.candidates[i]);
             let backend = routed.fleet.backends[pos].clone();
-            let (matched, shared) = if i == 0 {
-                (routed.choice.matched_blocks, routed.choice.shared_blocks)
+            let (matched, shared, everywhere) = if i == 0 {
+                let c = &routed.choice;
+                (c.matched_blocks, c.shared_blocks, c.everywhere_blocks)
             } else {
-                (0, 0)
+                (0, 0, 0)
             };
             let at = Attempt {
                 backend: &backend,
                 matched_blocks: matched,
                 shared_blocks: shared,
+                everywhere_blocks: everywhere,
                 decision: routed.choice.decision,
                 fresh_only,
             };
@@ -196,7 +199,7 @@ async fn attempt(
     // `prefix.expect_lost_history`) the share of a private lead its answers
     // say it loses by the next turn, as selection predicted it, so the
     // queue ahead of later requests counts it too.
-    let lead = if cfg.prefix.expects_lost_history() {
+    let lead = if cfg.prefix.expects_lost_history() && at.everywhere_blocks >= SHARED_MIN_BLOCKS {
         at.matched_blocks.saturating_sub(at.shared_blocks)
     } else {
         0

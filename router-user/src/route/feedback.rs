@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering:
 use memchr::memmem;
 
 use crate::route::index::{AGE_UNKNOWN, anchor_after, anchor_of};
+use crate::route::select::SHARED_MIN_BLOCKS;
 
 /// Bytes kept from the end of one read so a key split across two reads is
 /// still found: a key (15 bytes), a colon, spaces and a 10-digit number.
@@ -333,7 +334,7 @@ impl Feedback {
     /// behind a queue for a history that is gone.
     pub fn observe_private(&self, usage: Usage, prompt_blocks: u32, predicted: u32, shared: u32) {
         let lead = predicted.saturating_sub(shared);
-        if usage.prompt_tokens == 0 || lead < PRIVATE_MIN_BLOCKS {
+        if usage.prompt_tokens == 0 || shared < SHARED_MIN_BLOCKS || lead < PRIVATE_MIN_BLOCKS {
             return;
         }
         let held = usage.held_blocks(prompt_blocks).min(predicted);
@@ -885,6 +886,10 @@ mod tests {
         // No lead to speak of: no change.
         let before = f.private_kept();
         f.observe_private(usage(0), 100, 45, 40);
+        assert_eq!(f.private_kept(), before);
+        // A lead no other engine shares a prompt with (the prompt's only
+        // copy and the history) says nothing of histories: no change.
+        f.observe_private(usage(0), 100, 100, SHARED_MIN_BLOCKS - 1);
         assert_eq!(f.private_kept(), before);
     }
 

@@ -16,7 +16,9 @@
 //!    0): on the longest holder, the share of its private lead (the
 //!    history no other backend holds) that its answers said a busy engine
 //!    had evicted by the next turn, expected gone again; moving off it
-//!    costs the history it still keeps only.
+//!    costs the history it still keeps only. Only when every eligible
+//!    backend holds [`SHARED_MIN_BLOCKS`] of the request (its shared
+//!    prompt), so the lead is a history, not also a prompt's only copy.
 //! 2. *Overload*: `n` requests over the balance bound `(1 + epsilon) * mean
 //!    load + slack` cost `n² * overload_cost_blocks`, so a shared prefix hot
 //!    enough to crowd one engine gets a second engine (it is replicated)
@@ -189,6 +191,16 @@ pub enum Decision {
     Baseline,
 }
 
+/// Fewest blocks of a request every eligible backend must hold for the rest
+/// of the longest holder's match to count as a conversation's own history,
+/// which `prefix.expect_lost_history` expects lost at the holder's rate.
+/// With less, some engine lacks the prompt the conversation shares with
+/// others, and a move may copy it there or crowd the engines that hold it
+/// (session 19: gated on one other holder, the option still cost 2-4
+/// points of hits under pressure). The feedback learns the lost share from
+/// leads that another backend's shared match bounds by as much.
+pub const SHARED_MIN_BLOCKS: u32 = 8;
+
 /// Most candidates a choice carries: the first pick and fallbacks for retries.
 pub const MAX_CANDIDATES: usize = 4;
 
@@ -203,6 +215,8 @@ pub struct Choice {
     /// The longest match of any other eligible backend: the part of
     /// `matched_blocks` that is not private to the first candidate.
     pub shared_blocks: u32,
+    /// The shortest match over the eligible backends: what every one holds.
+    pub everywhere_blocks: u32,
 }
 
 impl Choice {
@@ -229,6 +243,7 @@ pub fn select(
         decision: Decision::Baseline,
         matched_blocks: 0,
         shared_blocks: 0,
+        everywhere_blocks: 0,
     };
     let eligible = loads.iter().filter(|l| l.eligible).count();
     if eligible == 0 {
@@ -264,9 +279,21 @@ pub fn select(
         .map(|(_, (_, &m))| m)
         .max()
         .unwrap_or(0);
+    choice.everywhere_blocks = everywhere(input, loads);
     // Fallbacks for retries: rendezvous order of the other eligible backends.
     fill_fallbacks(&mut choice, loads, input.cold_key);
     choice
+}
+
+/// The shortest match over the eligible backends.
+fn everywhere(input: &RouteInput, loads: &[BackendLoad]) -> u32 {
+    loads
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.eligible)
+        .map(|(b, _)| input.matches.get(b).copied().unwrap_or(0))
+        .min()
+        .unwrap_or(0)
 }
 
 /// The two passes of the warm choice (see [`prefix`]).
@@ -287,6 +314,9 @@ struct PrefixView {
     /// The longest match over eligible backends, and the next one.
     longest: u32,
     second: u32,
+    /// Every eligible backend holds at least `SHARED_MIN_BLOCKS` of it: the
+    /// longest holder's lead is a history (`prefix.expect_lost_history`).
+    held_everywhere: bool,
     /// What the longest holder keeps of a private lead (1 when two or
     /// more hold the longest match: nothing is private then).
     holder_kept: f64,
@@ -347,6 +377,7 @@ impl PrefixView {
             }
         }
         let mean = (total + 1) as f64 / n.max(1) as f64;
+        let held_everywhere = everywhere(input, loads) >= SHARED_MIN_BLOCKS;
         let bound = (((1.0 + p.epsilon) * mean).floor() as u64 + u64::from(p.slack)).max(1);
         let shared_cap = if p.shared_gap == 0 || least == u64::MAX {
             bound
@@ -361,7 +392,8 @@ impl PrefixView {
             .max(1),
             longest,
             second,
-            holder_kept: if longest > second {
+            held_everywhere,
+            holder_kept: if longest > second && held_everywhere {
                 1.0 - f64::from(holder_lost).clamp(0.0, 1.0)
             } else {
                 1.0
@@ -397,7 +429,7 @@ impl PrefixView {
         // A busy engine evicts a conversation's history between its turns:
         // the share its answers said was gone is expected gone again, and
         // prefilled again there.
-        let lost = if m >= self.longest {
+        let lost = if m >= self.longest && self.held_everywhere {
             f64::from(l.private_lost).clamp(0.0, 1.0) * f64::from(m - self.second)
         } else {
             0.0

@@ -335,10 +335,9 @@ fn a_chat_past_its_first_turn_is_held_and_a_first_turn_spreads() {
     assert_ne!(select(Policy::Prefix, &i, &loads, &HOLD).first(), Some(0));
 }
 
-#[test]
-fn a_history_its_engine_keeps_losing_moves_off_a_queue() {
-    // A conversation: 300 blocks on backend 0, its system prompt (126) on
-    // all three. Backend 0 has two prefills queued; the others are idle.
+/// A conversation's engine (backend 0) with two prefills queued, the others
+/// idle, and the move cost of the defaults.
+fn a_busy_holder() -> (PrefixParams, Vec<BackendLoad>) {
     let p = PrefixParams {
         move_cost: 0.5,
         ..HOLD
@@ -346,9 +345,21 @@ fn a_history_its_engine_keeps_losing_moves_off_a_queue() {
     let mut loads = fleet(3);
     loads[0].in_flight = 2;
     loads[0].queued_prefill_blocks = 230;
-    let m = [300, 126, 126];
-    let mut i = input(&m, 313, 1);
+    (p, loads)
+}
+
+/// A later turn of 313 blocks (the conversation has had an answer).
+fn later_turn(matches: &[u32]) -> RouteInput<'_> {
+    let mut i = input(matches, 313, 1);
     i.answered = Some(true);
+    i
+}
+
+#[test]
+fn a_history_its_engine_keeps_losing_moves_off_a_queue() {
+    // 300 blocks on backend 0, the system prompt (126) on all three.
+    let (p, mut loads) = a_busy_holder();
+    let i = later_turn(&[300, 126, 126]);
     // Its answers said it kept the histories: it waits for the queue
     // (230 + 13 against 187 to prefill elsewhere plus half the 174 it
     // would strand), and the part another backend holds is the prompt.
@@ -364,6 +375,31 @@ fn a_history_its_engine_keeps_losing_moves_off_a_queue() {
     // Without the queue it stays: what it still keeps is worth the wait.
     loads[0].queued_prefill_blocks = 0;
     assert_eq!(select(Policy::Prefix, &i, &loads, &p).first(), Some(0));
+}
+
+#[test]
+fn a_lead_over_a_prompt_some_engine_lacks_is_not_expected_lost() {
+    // As above, losing 60%, but no other backend holds the system prompt:
+    // the lead is the prompt as well as the history, and a busy engine
+    // keeps a prompt it is sent often. The learned loss does not apply, so
+    // it waits for its queue rather than copy the prompt elsewhere.
+    let (p, mut loads) = a_busy_holder();
+    loads[0].private_lost = 0.6;
+    let c = select(Policy::Prefix, &later_turn(&[300, 0, 0]), &loads, &p);
+    assert_eq!((c.first(), c.shared_blocks), (Some(0), 0));
+    // Nor when only some engines hold the prompt: a move crowds them.
+    let c = select(Policy::Prefix, &later_turn(&[300, 126, 0]), &loads, &p);
+    assert_eq!((c.first(), c.everywhere_blocks), (Some(0), 0));
+    // A start every engine holds that is shorter than SHARED_MIN_BLOCKS
+    // (a common preamble) does not make the rest a history either.
+    let short = SHARED_MIN_BLOCKS - 1;
+    let c = select(
+        Policy::Prefix,
+        &later_turn(&[300, short, short]),
+        &loads,
+        &p,
+    );
+    assert_eq!((c.first(), c.everywhere_blocks), (Some(0), short));
 }
 
 proptest! {
