@@ -215,7 +215,8 @@ pub struct Choice {
     /// The longest match of any other eligible backend: the part of
     /// `matched_blocks` that is not private to the first candidate.
     pub shared_blocks: u32,
-    /// The shortest match over the eligible backends: what every one holds.
+    /// The shortest match over the eligible backends: what every one holds
+    /// (the `prefix` policy; 0 under the others).
     pub everywhere_blocks: u32,
 }
 
@@ -250,7 +251,7 @@ pub fn select(
         return choice;
     }
     let first = match policy {
-        Policy::Prefix => prefix(input, loads, params, &mut choice.decision),
+        Policy::Prefix => prefix(input, loads, params, &mut choice),
         Policy::RoundRobin => nth_eligible(loads, (input.ticket % eligible as u64) as usize),
         Policy::Random => nth_eligible(loads, (mix(input.ticket) % eligible as u64) as usize),
         Policy::LeastRequest => least_loaded(loads, input.ticket),
@@ -279,21 +280,9 @@ pub fn select(
         .map(|(_, (_, &m))| m)
         .max()
         .unwrap_or(0);
-    choice.everywhere_blocks = everywhere(input, loads);
     // Fallbacks for retries: rendezvous order of the other eligible backends.
     fill_fallbacks(&mut choice, loads, input.cold_key);
     choice
-}
-
-/// The shortest match over the eligible backends.
-fn everywhere(input: &RouteInput, loads: &[BackendLoad]) -> u32 {
-    loads
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| l.eligible)
-        .map(|(b, _)| input.matches.get(b).copied().unwrap_or(0))
-        .min()
-        .unwrap_or(0)
 }
 
 /// The two passes of the warm choice (see [`prefix`]).
@@ -314,6 +303,8 @@ struct PrefixView {
     /// The longest match over eligible backends, and the next one.
     longest: u32,
     second: u32,
+    /// The shortest match over eligible backends: what every one holds.
+    everywhere: u32,
     /// Every eligible backend holds at least `SHARED_MIN_BLOCKS` of it: the
     /// longest holder's lead is a history (`prefix.expect_lost_history`).
     held_everywhere: bool,
@@ -359,7 +350,7 @@ pub struct Score {
 impl PrefixView {
     fn new(input: &RouteInput, loads: &[BackendLoad], p: &PrefixParams) -> PrefixView {
         let (mut total, mut n, mut longest, mut second) = (0u64, 0u64, 0u32, 0u32);
-        let mut least = u64::MAX;
+        let (mut least, mut fewest) = (u64::MAX, u32::MAX);
         let mut holder_lost = 0f32;
         for (b, l) in loads.iter().enumerate() {
             if l.eligible {
@@ -367,6 +358,7 @@ impl PrefixView {
                 least = least.min(l.load());
                 n += 1;
                 let m = input.matches.get(b).copied().unwrap_or(0);
+                fewest = fewest.min(m);
                 if m > longest {
                     second = longest;
                     longest = m;
@@ -377,7 +369,8 @@ impl PrefixView {
             }
         }
         let mean = (total + 1) as f64 / n.max(1) as f64;
-        let held_everywhere = everywhere(input, loads) >= SHARED_MIN_BLOCKS;
+        let everywhere = if n == 0 { 0 } else { fewest };
+        let held_everywhere = everywhere >= SHARED_MIN_BLOCKS;
         let bound = (((1.0 + p.epsilon) * mean).floor() as u64 + u64::from(p.slack)).max(1);
         let shared_cap = if p.shared_gap == 0 || least == u64::MAX {
             bound
@@ -392,6 +385,7 @@ impl PrefixView {
             .max(1),
             longest,
             second,
+            everywhere,
             held_everywhere,
             holder_kept: if longest > second && held_everywhere {
                 1.0 - f64::from(holder_lost).clamp(0.0, 1.0)
@@ -470,9 +464,11 @@ fn prefix(
     input: &RouteInput,
     loads: &[BackendLoad],
     p: &PrefixParams,
-    decision: &mut Decision,
+    choice: &mut Choice,
 ) -> usize {
     let view = PrefixView::new(input, loads, p);
+    choice.everywhere_blocks = view.everywhere;
+    let decision = &mut choice.decision;
     if view.longest < p.min_match_blocks.max(1) {
         *decision = Decision::Cold;
         return cold(input, loads, p, &view);
