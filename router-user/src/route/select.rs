@@ -196,7 +196,7 @@ pub enum Decision {
 /// which `prefix.expect_lost_history` expects lost at the holder's rate.
 /// With less, some engine lacks the prompt the conversation shares with
 /// others, and a move may copy it there or crowd the engines that hold it
-/// (session 19: gated on one other holder, the option still cost 2-4
+/// (sessions 19 and 20: gated on one other holder, it still cost 2-4
 /// points of hits under pressure). The feedback learns the lost share from
 /// leads that another backend's shared match bounds by as much.
 pub const SHARED_MIN_BLOCKS: u32 = 8;
@@ -304,10 +304,9 @@ struct PrefixView {
     longest: u32,
     second: u32,
     /// The shortest match over eligible backends: what every one holds.
+    /// At `SHARED_MIN_BLOCKS` or more the longest holder's lead is a
+    /// history (`prefix.expect_lost_history`).
     everywhere: u32,
-    /// Every eligible backend holds at least `SHARED_MIN_BLOCKS` of it: the
-    /// longest holder's lead is a history (`prefix.expect_lost_history`).
-    held_everywhere: bool,
     /// What the longest holder keeps of a private lead (1 when two or
     /// more hold the longest match: nothing is private then).
     holder_kept: f64,
@@ -370,7 +369,6 @@ impl PrefixView {
         }
         let mean = (total + 1) as f64 / n.max(1) as f64;
         let everywhere = if n == 0 { 0 } else { fewest };
-        let held_everywhere = everywhere >= SHARED_MIN_BLOCKS;
         let bound = (((1.0 + p.epsilon) * mean).floor() as u64 + u64::from(p.slack)).max(1);
         let shared_cap = if p.shared_gap == 0 || least == u64::MAX {
             bound
@@ -386,8 +384,7 @@ impl PrefixView {
             longest,
             second,
             everywhere,
-            held_everywhere,
-            holder_kept: if longest > second && held_everywhere {
+            holder_kept: if longest > second && everywhere >= SHARED_MIN_BLOCKS {
                 1.0 - f64::from(holder_lost).clamp(0.0, 1.0)
             } else {
                 1.0
@@ -423,7 +420,7 @@ impl PrefixView {
         // A busy engine evicts a conversation's history between its turns:
         // the share its answers said was gone is expected gone again, and
         // prefilled again there.
-        let lost = if m >= self.longest && self.held_everywhere {
+        let lost = if m >= self.longest && self.everywhere >= SHARED_MIN_BLOCKS {
             f64::from(l.private_lost).clamp(0.0, 1.0) * f64::from(m - self.second)
         } else {
             0.0
