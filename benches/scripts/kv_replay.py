@@ -29,9 +29,6 @@ placements of the same requests:
            least busy engine), and by prompt owner (each prompt's new
            conversations to one engine, the owner handed to the least busy
            engine once the owner is GAP over it).
-  --pack   new conversations packed into the caches by their live working
-           sets, one engine taking the overflow (session 22: worse than
-           keeping whole prompts together; kept to show it).
 """
 import argparse, collections, heapq, itertools, json
 
