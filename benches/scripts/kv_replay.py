@@ -236,47 +236,6 @@ def live_demand(window_ms, gap, owner):
     return route
 
 
-def pack(fill, floor_blocks, window_ms):
-    """New conversations packed into the engines' caches: each engine's
-    live working set is its live conversations' private blocks (each
-    counted as at least `floor_blocks`, the size a new one grows to) plus
-    the system prompts they use. A new conversation goes to the least
-    full engine holding its prompt where it still fits under `fill` of
-    the capacity, else to any engine where it fits (paying the prompt),
-    else to the engine already most over its capacity: one engine takes
-    the overflow and thrashes, the others keep their conversations."""
-    conv, last, size = {}, {}, {}
-
-    def route(q, engines):
-        s, t, p = q['r']['session'], q['r']['start_ms'], q['r']['prefix_id']
-        if s not in conv:
-            ws = [0.0] * len(engines)
-            prompts = [set() for _ in engines]
-            sysb = {}
-            for c, (e, ts, pid, sb) in last.items():
-                if t - ts <= window_ms:
-                    ws[e] += max(size[c], floor_blocks)
-                    prompts[e].add(pid)
-                    sysb[pid] = sb
-            for e in range(len(engines)):
-                ws[e] += sum(sysb[x] for x in prompts[e])
-            mine = sum(1 for k in q['keys'] if k[0] == 'p')
-            need = [floor_blocks + (0 if p in prompts[e] else mine) for e in range(len(engines))]
-            cap = engines[0].cap
-            fit = [e for e in range(len(engines)) if ws[e] + need[e] <= fill * cap]
-            holders = [e for e in fit if p in prompts[e]]
-            if holders:
-                conv[s] = min(holders, key=lambda e: ws[e])
-            elif fit:
-                conv[s] = min(fit, key=lambda e: ws[e])
-            else:
-                conv[s] = max(range(len(engines)), key=lambda e: (ws[e] / cap, -e))
-        size[s] = len(q['keys']) + len(q['out']) - sum(1 for k in q['keys'] if k[0] == 'p')
-        last[s] = (conv[s], t, p, sum(1 for k in q['keys'] if k[0] == 'p'))
-        return conv[s]
-    return route
-
-
 def partition(assign):
     conv = {}
 
@@ -292,7 +251,6 @@ def main():
     ap.add_argument('--engines', type=int, default=3)
     ap.add_argument('--partitions', action='store_true')
     ap.add_argument('--online', action='store_true')
-    ap.add_argument('--pack', action='store_true')
     a = ap.parse_args()
     reqs = load(a.record)
     reported = sum(q['r']['cached_tokens'] for q in reqs) / sum(q['P'] for q in reqs)
@@ -317,14 +275,6 @@ def main():
                     cells.append('%s %.1f%%' % ('never' if gap == 10**9 else gap, 100 * h))
                 print('%s, live within %d s, by gap: %s' % (
                     'prompt owner' if owner else 'live demand', window // 1000, ', '.join(cells)))
-    if a.pack:
-        for window in (3000, 6000):
-            for floor in (60, 120, 180):
-                cells = []
-                for fill in (0.8, 0.9, 1.0, 1.1):
-                    h, per = replay(reqs, a.kv_blocks, a.engines, pack(fill, floor, window))
-                    cells.append('%.1f %.1f%%' % (fill, 100 * h))
-                print('packed, live within %d s, floor %d blocks, by fill: %s' % (window // 1000, floor, ', '.join(cells)))
     if a.partitions:
         prompts = sorted({q['r']['prefix_id'] for q in reqs})
         res = []

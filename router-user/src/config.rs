@@ -160,12 +160,8 @@ pub struct PrefixConfig {
     pub block_bytes: usize,
     /// Balance bound: each request a backend has over `(1 + epsilon) * mean
     /// load + slack` adds `overload_cost_blocks` to its predicted TTFT, and
-    /// new prefixes go only to backends under it. 1.0 lets a warm backend
-    /// run at twice the mean before sharing its prefix gets cheaper: under
-    /// memory pressure an uneven split of whole system prompts keeps more
-    /// histories than an even one (0.25 until session 22; with `shared_gap`
-    /// 14 and `safety_factor` 2.5, 1-2.5 points more hits on the pressure
-    /// rows, BENCHMARKS.md session 22).
+    /// new prefixes go only to backends under it. 0.25 lets a warm backend
+    /// run 25% over the mean before sharing its prefix gets cheaper.
     pub epsilon: f64,
     /// Absolute headroom of the bounds, so small fleets at low load are not
     /// forced apart by a single request. 3 (measured with `hold_private`,
@@ -181,12 +177,11 @@ pub struct PrefixConfig {
     /// requests over, a conversation with a long history stays where its
     /// history is until three.
     pub overload_cost_blocks: f64,
-    /// Safety cap: no backend at or above `safety_factor * mean load + slack`
-    /// (at least the balance bound's factor), whatever its cache holds. 2.5
-    /// since session 22: a hot prompt's new conversations are spread by
-    /// `shared_gap`, so the cap only bounds conversations held on their
-    /// history (hot-prompt max/mean load 1.05 at 2.5, as at 1.5); balance
-    /// within it is the predicted TTFT's job.
+    /// Safety cap: no backend at or above `safety_factor * mean load + slack`,
+    /// whatever its cache holds. 1.5 stops pile-ups (measured on the
+    /// hot-prompt scenario: 2 let the first engine holding a hot prompt keep
+    /// a quarter more conversations than the others); balance within it is
+    /// the predicted TTFT's job.
     pub safety_factor: f64,
     /// A new prefix skips backends whose cache (tracked blocks up to the
     /// capacity, plus running prompts) holds more than the emptiest
@@ -219,9 +214,7 @@ pub struct PrefixConfig {
     /// which split system prompts on fluctuations and cost hits.
     pub shared_in_flight_cost_blocks: f64,
     /// A request with no private lead does not go to a backend with this
-    /// many more requests in flight than the least loaded one (0: off). 14
-    /// since session 22 (with `epsilon` 1.0: a system prompt stays whole on
-    /// its engine through larger swings, BENCHMARKS.md session 22). 6 before:
+    /// many more requests in flight than the least loaded one (0: off). 6:
     /// at 24 users on 3 engines a gap of 4 or 5 is a passing fluctuation
     /// (a fifth of arrivals see one), and copying a system prompt to an
     /// engine on it costs more than the wait: pressure-unpublished 74.9%
@@ -285,17 +278,17 @@ impl Default for PrefixConfig {
     fn default() -> Self {
         PrefixConfig {
             block_bytes: DEFAULT_BLOCK_BYTES,
-            epsilon: 1.0,
+            epsilon: 0.25,
             slack: 3,
             in_flight_cost_blocks: 2.0,
             overload_cost_blocks: 64.0,
-            safety_factor: 2.5,
+            safety_factor: 1.5,
             pressure_slack: 0.1,
             move_cost: 0.5,
             sticky_min_blocks: 4,
             hold_private: true,
             shared_in_flight_cost_blocks: 2.0,
-            shared_gap: 14,
+            shared_gap: 6,
             min_match_blocks: 1,
             cold_key_blocks: 4,
             kv_blocks: 65_536,
