@@ -224,6 +224,24 @@ pub struct PrefixConfig {
     /// alone let two engines holding a hot prompt reach 20 in flight
     /// before a third got it (session 6).
     pub shared_gap: u32,
+    /// Share of the fleet's KV capacity (published, configured or learned)
+    /// in use from which the caches count as full: the bounds are then
+    /// `full_cache_epsilon`, `full_cache_safety_factor` and
+    /// `full_cache_shared_gap`, not the three above. 0.9. Above 1 (used
+    /// counts running prompts too, so up to about 1.5): never.
+    pub full_cache_pressure: f64,
+    /// `epsilon` when the caches are full. 1.0: a backend runs at twice the
+    /// mean before its prompt gets cheaper elsewhere. Caches that cannot
+    /// hold the working set evict whatever a second copy of a prompt takes
+    /// room from, so prompts kept whole on uneven engines win: 0.9-1.3
+    /// points of hits on think-48 and both pressure scenarios, 2.3-2.7 over
+    /// sglang-router with a lower TTFT p50 and p99 (BENCHMARKS.md, sessions
+    /// 22 and 23).
+    pub full_cache_epsilon: f64,
+    /// `safety_factor` when the caches are full. 2.5.
+    pub full_cache_safety_factor: f64,
+    /// `shared_gap` when the caches are full. 14.
+    pub full_cache_shared_gap: u32,
     /// Blocks a backend must hold for the request to count as warm there.
     pub min_match_blocks: u32,
     /// Leading blocks that key cold prompts (256 bytes: a system prompt's start).
@@ -289,6 +307,10 @@ impl Default for PrefixConfig {
             hold_private: true,
             shared_in_flight_cost_blocks: 2.0,
             shared_gap: 6,
+            full_cache_pressure: 0.9,
+            full_cache_epsilon: 1.0,
+            full_cache_safety_factor: 2.5,
+            full_cache_shared_gap: 14,
             min_match_blocks: 1,
             cold_key_blocks: 4,
             kv_blocks: 65_536,
@@ -324,6 +346,10 @@ impl PrefixConfig {
             hold_private: self.hold_private,
             shared_in_flight_cost_blocks: self.shared_in_flight_cost_blocks,
             shared_gap: self.shared_gap,
+            full_cache_pressure: self.full_cache_pressure,
+            full_cache_epsilon: self.full_cache_epsilon,
+            full_cache_safety_factor: self.full_cache_safety_factor,
+            full_cache_shared_gap: self.full_cache_shared_gap,
         }
     }
 }
@@ -544,11 +570,20 @@ impl Config {
         if self.prefix.block_bytes == 0 {
             bail!("prefix.block_bytes must be at least 1");
         }
-        if !(0.0..=10.0).contains(&self.prefix.epsilon) {
-            bail!("prefix.epsilon must be between 0 and 10");
+        if !(0.0..=10.0).contains(&self.prefix.epsilon)
+            || !(0.0..=10.0).contains(&self.prefix.full_cache_epsilon)
+        {
+            bail!("prefix.epsilon and prefix.full_cache_epsilon must be between 0 and 10");
         }
-        if !(1.0..=100.0).contains(&self.prefix.safety_factor) {
-            bail!("prefix.safety_factor must be between 1 and 100");
+        if !(1.0..=100.0).contains(&self.prefix.safety_factor)
+            || !(1.0..=100.0).contains(&self.prefix.full_cache_safety_factor)
+        {
+            bail!(
+                "prefix.safety_factor and prefix.full_cache_safety_factor must be between 1 and 100"
+            );
+        }
+        if self.prefix.full_cache_pressure.is_nan() || self.prefix.full_cache_pressure < 0.0 {
+            bail!("prefix.full_cache_pressure must be at least 0 (above 1.5: never)");
         }
         if !(self.prefix.overload_cost_blocks >= 0.0 && self.prefix.pressure_slack >= 0.0) {
             bail!("prefix.overload_cost_blocks and prefix.pressure_slack must be at least 0");
@@ -620,6 +655,29 @@ mod tests {
             Limits::default().max_header_bytes
         );
         assert_eq!(cfg.backends[1].kv_blocks(), Some(8192));
+        let (d, e) = (PrefixConfig::default(), &cfg.prefix);
+        assert_eq!(
+            (e.full_cache_pressure, e.full_cache_epsilon),
+            (d.full_cache_pressure, d.full_cache_epsilon)
+        );
+        assert_eq!(
+            (e.full_cache_safety_factor, e.full_cache_shared_gap),
+            (d.full_cache_safety_factor, d.full_cache_shared_gap)
+        );
+    }
+
+    #[test]
+    fn out_of_range_full_cache_bounds_are_refused() {
+        for bad in [
+            "full_cache_pressure = -0.5",
+            "full_cache_epsilon = 11.0",
+            "full_cache_safety_factor = 0.5",
+        ] {
+            let text = format!("backends = [\"http://127.0.0.1:1\"]\n[prefix]\n{bad}\n");
+            let cfg: Config = toml::from_str(&text).unwrap();
+            let err = cfg.validate().unwrap_err().to_string();
+            assert!(err.contains("full_cache"), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -156,6 +156,12 @@ pub struct PrefixParams {
     pub hold_private: bool,
     pub shared_in_flight_cost_blocks: f64,
     pub shared_gap: u32,
+    /// From this share of the fleet's known capacity in use, the bounds
+    /// below replace `epsilon`, `safety_factor` and `shared_gap`.
+    pub full_cache_pressure: f64,
+    pub full_cache_epsilon: f64,
+    pub full_cache_safety_factor: f64,
+    pub full_cache_shared_gap: u32,
 }
 
 /// What the request brings to selection.
@@ -314,6 +320,9 @@ struct PrefixView {
     /// `sticky_min_blocks` means nothing private is at stake (a new
     /// conversation on a shared prompt), and the balance bound is hard.
     shared: bool,
+    /// The fleet's caches are full (`full_cache_pressure`): the bounds are
+    /// the looser `full_cache_*` ones.
+    full_cache: bool,
 }
 
 /// One backend's predicted time to first token, and its parts in blocks.
@@ -344,18 +353,25 @@ pub struct Score {
     pub capped: bool,
     /// Share of its capacity in use (cold placement).
     pub pressure: f64,
+    /// The fleet's caches were full: the looser `full_cache_*` bounds applied.
+    pub full_cache: bool,
 }
 
 impl PrefixView {
     fn new(input: &RouteInput, loads: &[BackendLoad], p: &PrefixParams) -> PrefixView {
         let (mut total, mut n, mut longest, mut second) = (0u64, 0u64, 0u32, 0u32);
         let (mut least, mut fewest) = (u64::MAX, u32::MAX);
+        let (mut used, mut capacity) = (0f64, 0f64);
         let mut holder_lost = 0f32;
         for (b, l) in loads.iter().enumerate() {
             if l.eligible {
                 total += l.load();
                 least = least.min(l.load());
                 n += 1;
+                if l.capacity_blocks > 0 {
+                    used += l.used();
+                    capacity += f64::from(l.capacity_blocks);
+                }
                 let m = input.matches.get(b).copied().unwrap_or(0);
                 fewest = fewest.min(m);
                 if m > longest {
@@ -367,20 +383,32 @@ impl PrefixView {
                 }
             }
         }
+        // Caches that cannot hold the working set evict whatever a second
+        // copy of a prompt pushes out: the prompt is worth more kept whole
+        // on its engines than spread for balance (BENCHMARKS.md, session 23).
+        let full_cache = capacity > 0.0 && used >= p.full_cache_pressure * capacity;
+        let (epsilon, safety_factor, shared_gap) = if full_cache {
+            (
+                p.full_cache_epsilon,
+                p.full_cache_safety_factor,
+                p.full_cache_shared_gap,
+            )
+        } else {
+            (p.epsilon, p.safety_factor, p.shared_gap)
+        };
         let mean = (total + 1) as f64 / n.max(1) as f64;
         let everywhere = if n == 0 { 0 } else { fewest };
-        let bound = (((1.0 + p.epsilon) * mean).floor() as u64 + u64::from(p.slack)).max(1);
-        let shared_cap = if p.shared_gap == 0 || least == u64::MAX {
+        let bound = (((1.0 + epsilon) * mean).floor() as u64 + u64::from(p.slack)).max(1);
+        let shared_cap = if shared_gap == 0 || least == u64::MAX {
             bound
         } else {
-            bound.min(least + u64::from(p.shared_gap))
+            bound.min(least + u64::from(shared_gap))
         };
         PrefixView {
             bound,
             shared_cap,
-            cap: ((p.safety_factor.max(1.0 + p.epsilon) * mean).floor() as u64
-                + u64::from(p.slack))
-            .max(1),
+            cap: ((safety_factor.max(1.0 + epsilon) * mean).floor() as u64 + u64::from(p.slack))
+                .max(1),
             longest,
             second,
             everywhere,
@@ -393,6 +421,7 @@ impl PrefixView {
                 Some(answered) if p.hold_private => !answered,
                 _ => longest - second < p.sticky_min_blocks,
             },
+            full_cache,
         }
     }
 
@@ -453,6 +482,7 @@ impl PrefixView {
                         self.cap
                     },
             pressure: l.pressure(),
+            full_cache: self.full_cache,
         }
     }
 }

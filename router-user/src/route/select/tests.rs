@@ -14,6 +14,11 @@ const P: PrefixParams = PrefixParams {
     hold_private: false,
     shared_in_flight_cost_blocks: 64.0,
     shared_gap: 0,
+    // Never full, unless a test says so.
+    full_cache_pressure: f64::INFINITY,
+    full_cache_epsilon: 1.0,
+    full_cache_safety_factor: 2.5,
+    full_cache_shared_gap: 14,
 };
 
 /// The defaults' way with conversations and new ones (see `config.rs`):
@@ -333,6 +338,40 @@ fn a_chat_past_its_first_turn_is_held_and_a_first_turn_spreads() {
     assert_eq!(select(Policy::Prefix, &i, &loads, &HOLD).first(), Some(0));
     i.answered = Some(false);
     assert_ne!(select(Policy::Prefix, &i, &loads, &HOLD).first(), Some(0));
+}
+
+#[test]
+fn a_prompt_stays_whole_on_its_engine_when_the_caches_are_full() {
+    // A new conversation on a prompt one engine holds, 8 in flight there
+    // and none elsewhere: over `shared_gap` (6) and the balance bound
+    // (floor(1.25 * 9 / 3) + 3 = 6), so with room in the caches it copies
+    // the prompt to an idle engine.
+    let p = PrefixParams {
+        full_cache_pressure: 0.9,
+        ..HOLD
+    };
+    let mut loads = fleet(3);
+    loads[0].in_flight = 8;
+    for l in &mut loads {
+        l.capacity_blocks = 1000;
+        l.cached_blocks = 500;
+    }
+    let m = [100, 0, 0];
+    let mut i = input(&m, 110, 1);
+    i.answered = Some(false);
+    assert_ne!(select(Policy::Prefix, &i, &loads, &p).first(), Some(0));
+    assert!(!prefix_scores(&i, &loads, &p)[0].full_cache);
+    // Caches full: a copy would evict as much of another prompt, so it
+    // waits on the engine holding it, up to the looser bounds
+    // (floor(2 * 3) + 3 = 9, the idlest + 14).
+    for l in &mut loads {
+        l.cached_blocks = 1000;
+    }
+    assert_eq!(select(Policy::Prefix, &i, &loads, &p).first(), Some(0));
+    assert!(prefix_scores(&i, &loads, &p)[0].full_cache);
+    // Past them it spreads all the same.
+    loads[0].in_flight = 9;
+    assert_ne!(select(Policy::Prefix, &i, &loads, &p).first(), Some(0));
 }
 
 /// A conversation's engine (backend 0) with two prefills queued, the others
