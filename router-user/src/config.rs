@@ -233,10 +233,10 @@ pub struct PrefixConfig {
     /// `epsilon` when the caches are full. 1.0: a backend runs at twice the
     /// mean before its prompt gets cheaper elsewhere. Caches that cannot
     /// hold the working set evict whatever a second copy of a prompt takes
-    /// room from, so prompts kept whole on uneven engines win: 0.9-1.3
-    /// points of hits on think-48 and both pressure scenarios, 2.3-2.7 over
-    /// sglang-router with a lower TTFT p50 and p99 (BENCHMARKS.md, sessions
-    /// 22 and 23).
+    /// room from, so prompts kept whole on uneven engines win: 75.5, 75.1
+    /// and 75.6% of hits on think-48 and both pressure scenarios against
+    /// 71.1, 74.1 and 72.3% at the tight bounds, side by side, with a lower
+    /// TTFT p99 on each (BENCHMARKS.md, session 23).
     pub full_cache_epsilon: f64,
     /// `safety_factor` when the caches are full. 2.5.
     pub full_cache_safety_factor: f64,

@@ -33,6 +33,10 @@
 //!    backend, so new conversations stay with their prompt through small
 //!    fluctuations and a prompt hot enough to crowd its engines gets
 //!    another.
+//!    When the fleet's caches are full (`full_cache_pressure` of their
+//!    capacity in use), epsilon, the safety factor and `shared_gap` are
+//!    the looser `full_cache_*` ones: a copy of a prompt on one more
+//!    engine then evicts as much of another's.
 //! 4. *Cold* (no backend holds `min_match_blocks`): rendezvous hashing on
 //!    the prompt's first blocks, skipping backends over the balance bound or
 //!    whose cache holds more than the emptiest's by `pressure_slack` of the
