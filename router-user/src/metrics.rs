@@ -28,7 +28,7 @@ use crate::precise::metrics::PreciseCollector;
 use crate::route::backend::{Backend, Fleet, StatusClass};
 use crate::route::index::PrefixIndex;
 use crate::route::models::{Models, TTFT_BUCKETS};
-use crate::route::select::Decision;
+use crate::route::select::{Choice, Decision};
 
 /// Label values are the enums' own names.
 macro_rules! label_value {
@@ -149,6 +149,8 @@ const WAIT_BUCKETS: [f64; 11] = [1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0
 pub struct Metrics {
     registry: Registry,
     decisions: DecisionCounters,
+    /// Requests the prefix policy routed at the full-cache bounds.
+    full_cache_routes: Counter,
     resends: Family<ResendLabels, Counter>,
     matched_blocks: Histogram,
     routing_seconds: Histogram,
@@ -184,6 +186,12 @@ impl Metrics {
             "routing_decisions",
             "Routing decisions by kind",
             decisions.clone(),
+        );
+        let full_cache_routes = Counter::default();
+        registry.register(
+            "full_cache_routes",
+            "Requests the prefix policy routed at the full-cache bounds (the fleet's caches held prefix.full_cache_pressure of their capacity)",
+            full_cache_routes.clone(),
         );
         let resends = Family::default();
         registry.register(
@@ -267,6 +275,7 @@ impl Metrics {
             discovery,
             registry,
             decisions,
+            full_cache_routes,
             resends,
             matched_blocks,
             routing_seconds,
@@ -280,8 +289,12 @@ impl Metrics {
 
     /// Called once per routed request: what was decided and how long the
     /// router took from the request being read to the decision.
-    pub fn observe_routing(&self, decision: Decision, matched_blocks: u32, took: Duration) {
-        self.decisions.of(decision).inc();
+    pub fn observe_routing(&self, choice: &Choice, took: Duration) {
+        self.decisions.of(choice.decision).inc();
+        if choice.full_cache {
+            self.full_cache_routes.inc();
+        }
+        let matched_blocks = choice.matched_blocks;
         self.matched_blocks.observe(f64::from(matched_blocks));
         self.routing_seconds.observe(took.as_secs_f64());
     }

@@ -197,6 +197,8 @@ fn metrics_headers_and_json_logs() {
     let names = [
         "prefix_router_responses_total{",
         "prefix_router_routing_decisions_total{decision=\"cold\"} 1",
+        // Engines with room: the tight bounds.
+        "prefix_router_full_cache_routes_total 0",
         "prefix_router_matched_blocks_bucket",
         "prefix_router_routing_seconds_bucket",
         "prefix_router_backend_in_flight{",

@@ -87,6 +87,16 @@ fn prefix_hit_rate_is_near_the_ceiling_and_far_above_round_robin() {
         let r = Router::spawn(&urls(&e), &["--policy", policy, "--debug-headers"], "");
         let (_, s) = run(&r, scenario.clone(), 16, 240);
         assert_eq!(s.ok, 240, "{policy}: {s}");
+        if policy == "prefix" {
+            // Caches this small fill within the run: the prefix policy
+            // routes at the full-cache bounds, and says so.
+            let m = r.metrics();
+            let full = m
+                .lines()
+                .find_map(|l| l.strip_prefix("prefix_router_full_cache_routes_total "))
+                .and_then(|v| v.trim().parse::<f64>().ok());
+            assert!(full.is_some_and(|n| n > 0.0), "full-cache routes {full:?}");
+        }
         s
     };
     let median = |mut v: Vec<f64>| {

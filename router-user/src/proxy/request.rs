@@ -84,11 +84,7 @@ pub async fn handle(
                 .metrics
                 .observe_queue(waiting.elapsed().saturating_sub(routing));
         }
-        router.metrics.observe_routing(
-            routed.choice.decision,
-            routed.choice.matched_blocks,
-            routing,
-        );
+        router.metrics.observe_routing(&routed.choice, routing);
         routed.model.requested();
         if routed.choice.len == 0 {
             return Err(if queued {

@@ -228,6 +228,8 @@ pub struct Choice {
     /// The shortest match over the eligible backends: what every one holds
     /// (the `prefix` policy; 0 under the others).
     pub everywhere_blocks: u32,
+    /// The `prefix` policy chose at the full-cache bounds.
+    pub full_cache: bool,
 }
 
 impl Choice {
@@ -255,6 +257,7 @@ pub fn select(
         matched_blocks: 0,
         shared_blocks: 0,
         everywhere_blocks: 0,
+        full_cache: false,
     };
     let eligible = loads.iter().filter(|l| l.eligible).count();
     if eligible == 0 {
@@ -499,6 +502,7 @@ fn prefix(
 ) -> usize {
     let view = PrefixView::new(input, loads, p);
     choice.everywhere_blocks = view.everywhere;
+    choice.full_cache = view.full_cache;
     let decision = &mut choice.decision;
     if view.longest < p.min_match_blocks.max(1) {
         *decision = Decision::Cold;
