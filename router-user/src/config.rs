@@ -227,8 +227,8 @@ pub struct PrefixConfig {
     /// Share of the fleet's KV capacity (published, configured or learned)
     /// in use from which the caches count as full: the bounds are then
     /// `full_cache_epsilon`, `full_cache_safety_factor` and
-    /// `full_cache_shared_gap`, not the three above. 0.9. Above 1 (used
-    /// counts running prompts too, so up to about 1.5): never.
+    /// `full_cache_shared_gap`, not the three above. 0.9. `inf`: never
+    /// (used counts running prompts too, so it can pass 1).
     pub full_cache_pressure: f64,
     /// `epsilon` when the caches are full. 1.0: a backend runs at twice the
     /// mean before its prompt gets cheaper elsewhere. Caches that cannot
@@ -583,7 +583,7 @@ impl Config {
             );
         }
         if self.prefix.full_cache_pressure.is_nan() || self.prefix.full_cache_pressure < 0.0 {
-            bail!("prefix.full_cache_pressure must be at least 0 (above 1.5: never)");
+            bail!("prefix.full_cache_pressure must be at least 0 (inf: never)");
         }
         if !(self.prefix.overload_cost_blocks >= 0.0 && self.prefix.pressure_slack >= 0.0) {
             bail!("prefix.overload_cost_blocks and prefix.pressure_slack must be at least 0");

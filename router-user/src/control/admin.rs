@@ -223,7 +223,7 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
             "matched_blocks": routed.choice.matched_blocks,
             "chosen": candidates.first(),
             "why": why,
-            "full_cache_bounds": scores.first().is_some_and(|s| s.full_cache),
+            "full_cache_bounds": routed.choice.full_cache,
             "candidates": scored,
             "fallbacks": candidates.get(1..).unwrap_or(&[]),
             "backends": backends_json(router)["backends"],

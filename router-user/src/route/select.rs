@@ -360,8 +360,6 @@ pub struct Score {
     pub capped: bool,
     /// Share of its capacity in use (cold placement).
     pub pressure: f64,
-    /// The fleet's caches were full: the looser `full_cache_*` bounds applied.
-    pub full_cache: bool,
 }
 
 impl PrefixView {
@@ -489,7 +487,6 @@ impl PrefixView {
                         self.cap
                     },
             pressure: l.pressure(),
-            full_cache: self.full_cache,
         }
     }
 }
