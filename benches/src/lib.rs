@@ -41,6 +41,7 @@ pub mod nginx;
 pub mod overhead;
 pub mod overhead_report;
 pub mod peers;
+pub mod pooled;
 pub mod quality;
 pub mod quality_report;
 pub mod report;

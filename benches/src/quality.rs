@@ -473,6 +473,10 @@ pub struct QualityRow {
     /// Cached over prompt tokens, over all successful requests.
     pub hit_rate: f64,
     pub ceiling: f64,
+    /// The same trace on one cache with all the engines' blocks
+    /// ([`crate::pooled`]): a reference no placement is expected to pass.
+    #[serde(default)]
+    pub pooled: Option<f64>,
     pub ttft_p50_ms: f64,
     pub ttft_p90_ms: f64,
     pub ttft_p99_ms: f64,
@@ -500,6 +504,8 @@ impl QualityRow {
         r.errors = runs.iter().map(|x| x.errors).sum();
         r.hit_rate = m(|x| x.hit_rate);
         r.ceiling = m(|x| x.ceiling);
+        let pooled: Vec<f64> = runs.iter().filter_map(|x| x.pooled).collect();
+        r.pooled = (!pooled.is_empty()).then(|| median(pooled));
         r.ttft_p50_ms = m(|x| x.ttft_p50_ms);
         r.ttft_p90_ms = m(|x| x.ttft_p90_ms);
         r.ttft_p99_ms = m(|x| x.ttft_p99_ms);
@@ -527,6 +533,11 @@ impl QualityRow {
             errors: s.errors,
             hit_rate: s.hit_rate,
             ceiling: s.ceiling_hit_rate,
+            pooled: crate::pooled::pooled_hit_rate(
+                &run.records,
+                qs.drive.engines * qs.kv_blocks,
+                qs.scenario.max_tokens as usize,
+            ),
             ttft_p50_ms: s.ttft_ms.p50,
             ttft_p90_ms: s.ttft_ms.p90,
             ttft_p99_ms: s.ttft_ms.p99,
