@@ -119,6 +119,13 @@ fn tiny_bench_measures_every_target() {
     assert!(rows.iter().any(|x| x["phase"] == "stream"));
     let q = r["quality_rows"].as_array().unwrap();
     assert!(!q.is_empty() && q.iter().all(|x| x["requests"].as_u64().unwrap() > 0));
+    // Every row has its pooled-cache reference, and a bounded cache hits
+    // no more than the unbounded one of the same trace.
+    for x in q {
+        let pooled = x["pooled"].as_f64().unwrap_or_else(|| panic!("{x}"));
+        let ceiling = x["ceiling"].as_f64().unwrap();
+        assert!(pooled > 0.0 && pooled <= ceiling + 0.01, "{x}");
+    }
     assert!(
         std::fs::read_to_string(out.join("report.md"))
             .unwrap()
