@@ -89,6 +89,10 @@ pub struct DemoPolicy {
     pub policy: String,
     pub summary: testkit::workload::Summary,
     pub routing: quality::RoutingTime,
+    /// What one cache with all the engines' blocks would hit on this
+    /// policy's trace ([`crate::pooled`]).
+    #[serde(default)]
+    pub pooled: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -179,6 +183,11 @@ pub fn run(bins: &Bins, cfg: &DemoCfg, venv: Option<&Venv>, out: &Path) -> anyho
                 policy: r.policy.clone(),
                 summary: r.summary.clone(),
                 routing: r.routing,
+                pooled: crate::pooled::pooled_hit_rate(
+                    &r.records,
+                    cfg.drive.engines * cfg.kv_blocks,
+                    row.scenario.max_tokens as usize,
+                ),
             })
             .collect(),
     };
@@ -230,6 +239,7 @@ pub fn table(r: &DemoResults) -> Table {
         "requests",
         "hit rate",
         "ceiling",
+        "pooled",
         "TTFT p50 ms",
         "p90",
         "p99",
@@ -247,6 +257,7 @@ pub fn table(r: &DemoResults) -> Table {
             format!("{} ({} err)", s.ok, s.errors),
             pct(s.hit_rate),
             pct(s.ceiling_hit_rate),
+            p.pooled.map_or("-".into(), pct),
             format!("{:.1}", s.ttft_ms.p50),
             format!("{:.1}", s.ttft_ms.p90),
             format!("{:.1}", s.ttft_ms.p99),
@@ -279,7 +290,7 @@ fn markdown(r: &DemoResults, table: &Table) -> String {
     );
     let _ = writeln!(
         m,
-        "Workload: multi-turn support chat, {} closed-loop users thinking {} s (simulated, exponential mean) between turns, {} shared system prompts of {} tokens, user turns of {} tokens, {}-{} turns per conversation each resending the whole history, {} output tokens per turn, streaming; {:.0} s per policy, seed {}. The ceiling is the hit rate one engine with an unbounded cache would reach on the same trace.\n",
+        "Workload: multi-turn support chat, {} closed-loop users thinking {} s (simulated, exponential mean) between turns, {} shared system prompts of {} tokens, user turns of {} tokens, {}-{} turns per conversation each resending the whole history, {} output tokens per turn, streaming; {:.0} s per policy, seed {}. The ceiling is the hit rate one engine with an unbounded cache would reach on the same trace; pooled, one engine with all the engines' KV blocks (the same trace replayed through the engine's cache model, no placement at all).\n",
         c.drive.users,
         c.think_s,
         c.system_prompts,

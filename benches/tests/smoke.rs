@@ -68,7 +68,16 @@ fn tiny_demo_writes_a_report_with_charts() {
     for p in policies {
         assert!(p["summary"]["ok"].as_u64().unwrap() > 0, "{p}");
         assert_eq!(p["summary"]["errors"].as_u64(), Some(0), "{p}");
+        let pooled = p["pooled"].as_f64().unwrap_or_else(|| panic!("{p}"));
+        assert!(
+            pooled > 0.0 && pooled <= p["summary"]["ceiling_hit_rate"].as_f64().unwrap() + 0.01
+        );
     }
+    assert!(
+        std::fs::read_to_string(out.join("report.md"))
+            .unwrap()
+            .contains("| pooled |")
+    );
     let _ = std::fs::remove_dir_all(&out);
 }
 
