@@ -7,13 +7,13 @@
 //! whole system prompts to engines came within half a point of the pool
 //! or under it.
 //!
-//! The model is `benches/scripts/kv_replay.py`'s, which follows the
-//! sim-engine (tests/src/engine/kv_cache.rs and core.rs) and reproduces
-//! the engines' reported hit rates within about a point: 16-token blocks; a
-//! request reserves its prompt plus `max_tokens` at admission and waits
-//! FIFO until they fit; free blocks are evicted least recently used first,
-//! a released request's tail first; a finished request's output blocks stay
-//! cached. A request holds its blocks for its recorded duration.
+//! The cache is the sim-engine's own ([`KvCache`]: vLLM's block pool, LRU
+//! free list, a released request's tail evicted first) and the rest is
+//! `benches/scripts/kv_replay.py`'s model, which reproduces the engines'
+//! reported hit rates within about a point: a request reserves its prompt
+//! plus `max_tokens` at admission and waits FIFO until they fit; its new
+//! prompt blocks are cached at once; its answer's blocks are cached when it
+//! ends, after its recorded duration.
 //!
 //! The trace gives no prompt contents, so blocks are keys: a system prompt's
 //! first blocks (the shortest prefix any first turn of it could have hit)
@@ -22,8 +22,10 @@
 //! unbounded cache would have hit (`ceiling_cached_tokens`).
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
-use testkit::engine::block_hash::BLOCK_SIZE;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
+use testkit::engine::block_hash::{BLOCK_SIZE, BlockHash};
+use testkit::engine::kv_cache::KvCache;
 use testkit::workload::Record;
 
 /// A block's content: a system prompt's i-th block, or a conversation's
@@ -34,15 +36,23 @@ enum Key {
     Conv { session: u64, i: usize, turn: u32 },
 }
 
+impl Key {
+    fn block_hash(self) -> BlockHash {
+        let mut h = std::hash::DefaultHasher::new();
+        Hash::hash(&self, &mut h);
+        h.finish()
+    }
+}
+
 /// One request of the trace, as blocks.
 struct Req {
     start_ns: u64,
     dur_ns: u64,
     prompt_tokens: usize,
     /// The prompt's full blocks.
-    keys: Vec<Key>,
+    prompt: Vec<BlockHash>,
     /// The answer's blocks past the prompt's.
-    out: Vec<Key>,
+    out: Vec<BlockHash>,
 }
 
 /// Requests in start order with their blocks (see the module's doc).
@@ -92,172 +102,73 @@ fn requests(records: &[Record]) -> Vec<Req> {
                 let n = old.len().min(keep).min(full);
                 keys[..n].copy_from_slice(&old[..n]);
             }
-            chains.insert(r.session, keys.clone());
-            let out = keys.split_off((p / BLOCK_SIZE).min(keys.len()));
+            let mut prompt: Vec<BlockHash> = keys.iter().map(|k| k.block_hash()).collect();
+            chains.insert(r.session, keys);
+            let out = prompt.split_off((p / BLOCK_SIZE).min(prompt.len()));
             Req {
                 start_ns: ns(r.start_ms),
                 dur_ns: ns(r.end_ms - r.start_ms),
                 prompt_tokens: p,
-                keys,
+                prompt,
                 out,
             }
         })
         .collect()
 }
 
-/// One engine's blocks: held ones by reference count, free keyed ones in
-/// LRU order, and blocks holding nothing reusable (a request's reserved
-/// blocks past what it caches).
-struct Cache {
-    cap: usize,
+/// The pooled engine: its cache and what it counted.
+struct Pool {
+    cache: KvCache,
     max_tokens: usize,
-    held: HashMap<Key, u32>,
-    held_unkeyed: usize,
-    free_unkeyed: usize,
-    /// Free keyed blocks by the tick they were freed at (least recent first).
-    free: BTreeMap<u64, Key>,
-    freed_at: HashMap<Key, u64>,
-    tick: u64,
     in_flight: usize,
     prompt_tokens: u64,
     cached_tokens: u64,
 }
 
-/// What an admitted request holds until it ends.
-struct Held {
-    keys: Vec<Key>,
-    unkeyed: usize,
-}
-
-impl Cache {
-    fn new(cap: usize, max_tokens: usize) -> Self {
-        Cache {
-            cap,
-            max_tokens,
-            held: HashMap::new(),
-            held_unkeyed: 0,
-            free_unkeyed: cap,
-            free: BTreeMap::new(),
-            freed_at: HashMap::new(),
-            tick: 0,
-            in_flight: 0,
-            prompt_tokens: 0,
-            cached_tokens: 0,
+impl Pool {
+    /// Admits `q` if its blocks fit beside the running requests: counts its
+    /// hit (the leading cached blocks, at most all but the last token's, as
+    /// the engine computes at least one) and caches its new prompt blocks.
+    fn admit(&mut self, q: &Req) -> Option<Vec<u32>> {
+        let hit = self
+            .cache
+            .lookup(&q.prompt)
+            .min(q.prompt_tokens.saturating_sub(1) / BLOCK_SIZE);
+        let total = (q.prompt_tokens + self.max_tokens).div_ceil(BLOCK_SIZE);
+        let blocks = self.cache.allocate(&q.prompt, hit, total)?;
+        for (&b, &h) in blocks.iter().zip(&q.prompt).skip(hit) {
+            self.cache.register(b, h);
         }
-    }
-
-    fn has(&self, k: &Key) -> bool {
-        self.held.contains_key(k) || self.freed_at.contains_key(k)
-    }
-
-    /// Leading prompt blocks cached, at most all but the last token's (the
-    /// engine computes at least one token).
-    fn hit(&self, q: &Req) -> usize {
-        let lead = q.keys.iter().take_while(|k| self.has(k)).count();
-        lead.min(q.prompt_tokens.saturating_sub(1) / BLOCK_SIZE)
-    }
-
-    fn total(&self, q: &Req) -> usize {
-        (q.prompt_tokens + self.max_tokens).div_ceil(BLOCK_SIZE)
-    }
-
-    fn fits(&self, q: &Req) -> bool {
-        let hit = self.hit(q);
-        let need = self.total(q).saturating_sub(hit);
-        let reused_free = q.keys[..hit]
-            .iter()
-            .filter(|k| self.freed_at.contains_key(k))
-            .count();
-        let free = self
-            .cap
-            .saturating_sub(self.held.len() + self.held_unkeyed + reused_free);
-        need <= free || self.in_flight == 0
-    }
-
-    fn unfree(&mut self, k: &Key) -> bool {
-        match self.freed_at.remove(k) {
-            Some(t) => {
-                self.free.remove(&t);
-                true
-            }
-            None => false,
-        }
-    }
-
-    fn admit(&mut self, q: &Req) -> Held {
-        let hit = self.hit(q);
-        let total = self.total(q);
-        for k in &q.keys[..hit] {
-            if self.unfree(k) {
-                self.held.insert(*k, 1);
-            } else {
-                *self.held.entry(*k).or_insert(0) += 1;
-            }
-        }
-        let n = total.saturating_sub(hit);
-        let unkeyed = n.min(self.free_unkeyed);
-        self.free_unkeyed -= unkeyed;
-        for _ in unkeyed..n {
-            if let Some((_, k)) = self.free.pop_first() {
-                self.freed_at.remove(&k);
-            }
-        }
-        let mut keys = q.keys[..hit].to_vec();
-        for k in &q.keys[hit..] {
-            if !self.has(k) {
-                self.held.insert(*k, 1);
-                keys.push(*k);
-            }
-        }
-        let unkeyed = total.saturating_sub(keys.len());
-        self.held_unkeyed += unkeyed;
         self.in_flight += 1;
         self.prompt_tokens += q.prompt_tokens as u64;
         self.cached_tokens += (hit * BLOCK_SIZE) as u64;
-        Held { keys, unkeyed }
+        Some(blocks)
     }
 
-    /// Ends a request: its answer's blocks are cached in reserved blocks,
-    /// then everything it held is freed tail first.
-    fn release(&mut self, mut h: Held, out: &[Key]) {
-        let mut left = h.unkeyed;
-        for k in out {
-            if left == 0 {
-                break;
-            }
-            if !self.has(k) {
-                self.held.insert(*k, 1);
-                h.keys.push(*k);
-                left -= 1;
-            }
+    /// Ends a request: its answer is cached in the blocks it reserved past
+    /// the prompt, then all its blocks are freed.
+    fn end(&mut self, q: &Req, blocks: &[u32]) {
+        for (&b, &h) in blocks.iter().skip(q.prompt.len()).zip(&q.out) {
+            self.cache.register(b, h);
         }
-        self.held_unkeyed -= h.unkeyed;
-        for k in h.keys.iter().rev() {
-            let Some(r) = self.held.get_mut(k) else {
-                continue;
-            };
-            *r -= 1;
-            if *r == 0 {
-                self.held.remove(k);
-                self.tick += 1;
-                self.free.insert(self.tick, *k);
-                self.freed_at.insert(*k, self.tick);
-            }
-        }
-        self.free_unkeyed += left;
+        self.cache.release(blocks);
         self.in_flight -= 1;
     }
 }
 
 /// The hit rate (cached over prompt tokens) of `records` replayed on one
 /// cache of `blocks` blocks whose requests reserve `max_tokens` for their
-/// answers; `None` for a trace with no successful request.
+/// answers; `None` for a trace with no request that fits. A request larger
+/// than the whole cache is left out.
 pub fn pooled_hit_rate(records: &[Record], blocks: usize, max_tokens: usize) -> Option<f64> {
     let reqs = requests(records);
-    if reqs.is_empty() {
-        return None;
-    }
-    let mut cache = Cache::new(blocks, max_tokens);
+    let mut pool = Pool {
+        cache: KvCache::new(blocks),
+        max_tokens,
+        in_flight: 0,
+        prompt_tokens: 0,
+        cached_tokens: 0,
+    };
     // (time, arrival after completion at the same time, request)
     let mut events: BinaryHeap<Reverse<(u64, bool, usize)>> = reqs
         .iter()
@@ -265,23 +176,29 @@ pub fn pooled_hit_rate(records: &[Record], blocks: usize, max_tokens: usize) -> 
         .map(|(i, q)| Reverse((q.start_ns, true, i)))
         .collect();
     let mut waiting: VecDeque<usize> = VecDeque::new();
-    let mut holding: HashMap<usize, Held> = HashMap::new();
+    let mut holding: HashMap<usize, Vec<u32>> = HashMap::new();
     while let Some(Reverse((t, arrival, i))) = events.pop() {
         if arrival {
             waiting.push_back(i);
-        } else if let Some(h) = holding.remove(&i) {
-            cache.release(h, &reqs[i].out);
+        } else if let Some(b) = holding.remove(&i) {
+            pool.end(&reqs[i], &b);
         }
         while let Some(&j) = waiting.front() {
-            if !cache.fits(&reqs[j]) {
-                break;
+            match pool.admit(&reqs[j]) {
+                Some(b) => {
+                    waiting.pop_front();
+                    holding.insert(j, b);
+                    events.push(Reverse((t + reqs[j].dur_ns, false, j)));
+                }
+                // Too large for the whole cache: it would block the queue.
+                None if pool.in_flight == 0 => {
+                    waiting.pop_front();
+                }
+                None => break,
             }
-            waiting.pop_front();
-            holding.insert(j, cache.admit(&reqs[j]));
-            events.push(Reverse((t + reqs[j].dur_ns, false, j)));
         }
     }
-    (cache.prompt_tokens > 0).then(|| cache.cached_tokens as f64 / cache.prompt_tokens as f64)
+    (pool.prompt_tokens > 0).then(|| pool.cached_tokens as f64 / pool.prompt_tokens as f64)
 }
 
 #[cfg(test)]
