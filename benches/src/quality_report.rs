@@ -128,7 +128,7 @@ pub fn quality_markdown(q: &crate::quality::QualityCfg, rows: &[QualityRow]) -> 
     let mut m = String::new();
     let _ = writeln!(
         m,
-        "Each row under each router on freshly started engines ({}), the same traffic (same seed) for every router. Hit rate = cached / prompt tokens over all requests, as the engines reported them; ceiling = what one engine with an unbounded cache would hit on the same trace; pooled = the same trace replayed on one engine with all the engines' KV blocks, no placement at all (`benches/src/pooled.rs`; a reference that placement over separate caches has come within half a point of at best in every replay); max/mean load = the busiest engine's requests over the mean, as the engines counted them.\n",
+        "Each row under each router on freshly started engines ({}), the same traffic (same seed) for every router. Hit rate = cached / prompt tokens over all requests, as the engines reported them; ceiling = what one engine with an unbounded cache would hit on the same trace; pooled = the same trace replayed on one engine with all the engines' KV blocks, no placement at all (`benches/src/pooled.rs`; a reference the best placement over separate caches has not passed by more than half a point in any replay); max/mean load = the busiest engine's requests over the mean, as the engines counted them.\n",
         q.timing.describe()
     );
     if q.repeats > 1 {
