@@ -10,7 +10,7 @@ use prefix_router::route::select::Policy;
 
 /// Prefix-cache-aware router for OpenAI-compatible inference servers.
 #[derive(Parser, Clone, Debug)]
-#[command(name = "prefix-router", version)]
+#[command(name = "prefix-router", version, args_override_self = true)]
 struct Cli {
     /// Traffic listener address [default: 0.0.0.0:8080].
     #[arg(long)]
@@ -93,5 +93,30 @@ fn main() {
     if let Err(e) = result {
         eprintln!("prefix-router: error: {e:#}");
         std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A flag given twice takes its last value (a wrapper script can add to
+    /// a command line), and `--backend` still adds one backend per use.
+    #[test]
+    fn the_last_of_a_repeated_flag_wins_and_backends_add_up() {
+        let cli = Cli::try_parse_from([
+            "prefix-router",
+            "--workers",
+            "2",
+            "--backend",
+            "http://127.0.0.1:1",
+            "--workers",
+            "1",
+            "--backend",
+            "http://127.0.0.1:2",
+        ])
+        .expect("parses");
+        assert_eq!(cli.workers, Some(1));
+        assert_eq!(cli.backends, ["http://127.0.0.1:1", "http://127.0.0.1:2"]);
     }
 }

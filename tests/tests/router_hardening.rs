@@ -190,10 +190,21 @@ fn a_fully_delivered_request_reaches_one_backend_at_most_once() {
     assert!(m.contains("prefix_router_resends_total"), "{m}");
 }
 
-#[test]
-fn a_pooled_connection_the_backend_closed_while_idle_is_not_used() {
-    // Like uvicorn's keep-alive timeout: close an idle connection soon after answering.
-    let b = FakeBackend::spawn(|_, s| {
+/// `prefix_router_resends_total{reason="stale_pooled"}` (0 before any).
+fn stale_pooled_resends(r: &Router) -> u64 {
+    r.metrics()
+        .lines()
+        .find_map(|l| l.strip_prefix("prefix_router_resends_total{reason=\"stale_pooled\"} "))
+        .map_or(0, |v| v.trim().parse().expect("a counter"))
+}
+
+/// One worker, so every request finds the pool its predecessor left.
+const ONE_POOL: &[&str] = &["--health-interval-ms", "0", "--workers", "1"];
+
+/// A backend like uvicorn with a short keep-alive timeout: it closes a
+/// connection that carries no new request within 100 ms of an answer.
+fn closes_idle_after_100ms() -> FakeBackend {
+    FakeBackend::spawn(|_, s| {
         respond(s, 200, JSON, CHAT_ANSWER);
         let _ = s.set_read_timeout(Some(Duration::from_millis(100)));
         let mut one = [0u8; 1];
@@ -202,14 +213,92 @@ fn a_pooled_connection_the_backend_closed_while_idle_is_not_used() {
             let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
             true
         }
-    });
-    let r = Router::spawn(&[b.url()], NO_PROBES, "");
+    })
+}
+
+#[test]
+fn a_pooled_connection_the_backend_closed_while_idle_is_not_used() {
+    // Idle over a second: the pool checks the connection before use and
+    // finds it closed, so nothing is sent on it.
+    let b = closes_idle_after_100ms();
+    let r = Router::spawn(&[b.url()], ONE_POOL, "");
+    for i in 0..3 {
+        let resp = post_chat(r.addr, &format!("turn {i}"));
+        assert_eq!(resp.status, 200, "{}", resp.text());
+        std::thread::sleep(Duration::from_millis(1_300));
+    }
+    assert_eq!(b.requests(), 3);
+    assert_eq!(stale_pooled_resends(&r), 0);
+}
+
+#[test]
+fn a_request_sent_on_a_connection_closed_before_it_was_read_goes_again() {
+    // Idle under a second: the request is written to the closed connection
+    // unchecked (no system call per request under load). The backend's
+    // close acknowledged none of it, so it cannot have been read: the
+    // router sends it again on a fresh connection, and the client sees
+    // only its answer.
+    let b = closes_idle_after_100ms();
+    let r = Router::spawn(&[b.url()], ONE_POOL, "");
     for i in 0..3 {
         let resp = post_chat(r.addr, &format!("turn {i}"));
         assert_eq!(resp.status, 200, "{}", resp.text());
         std::thread::sleep(Duration::from_millis(400));
     }
-    assert_eq!(b.requests(), 3);
+    assert_eq!(b.requests(), 3, "each request read once");
+    // The second closed connection is found by the check before use: after
+    // the first, the pool watches this backend's connections.
+    assert_eq!(stale_pooled_resends(&r), 1, "{}", r.metrics());
+}
+
+#[test]
+fn a_backend_that_closes_after_every_answer_costs_one_resend() {
+    // It answers and closes, with no `Connection: close` to say so. The
+    // first reuse finds that out by a re-send; from then on the pool checks
+    // this backend's connections before use, so no request goes twice.
+    let b = FakeBackend::spawn(|_, s| {
+        respond(s, 200, JSON, CHAT_ANSWER);
+        false
+    });
+    let r = Router::spawn(&[b.url()], ONE_POOL, "");
+    for i in 0..8 {
+        let resp = post_chat(r.addr, &format!("turn {i}"));
+        assert_eq!(resp.status, 200, "{}", resp.text());
+        // Long enough for the close to arrive before the next request.
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(b.requests(), 8, "each request read once");
+    assert_eq!(stale_pooled_resends(&r), 1, "{}", r.metrics());
+}
+
+#[test]
+fn a_backend_that_resets_a_request_it_read_gets_no_second_copy() {
+    // An abortive close (RST, SO_LINGER 0) right after reading a request:
+    // the backend may not have acknowledged the bytes it read, so only a
+    // plain close (FIN) is taken as "closed before reading".
+    let aborting = Arc::new(AtomicBool::new(false));
+    let a = aborting.clone();
+    let b = FakeBackend::spawn(move |_, s| {
+        if a.load(Ordering::SeqCst) {
+            let _ = socket2::SockRef::from(&*s).set_linger(Some(Duration::ZERO));
+            return false;
+        }
+        respond(s, 200, JSON, CHAT_ANSWER)
+    });
+    let r = Router::spawn(
+        &[b.url()],
+        ONE_POOL,
+        "[retry]\nmax_attempts = 3\n[health]\npassive_fall = 100\n",
+    );
+    assert_eq!(post_chat(r.addr, "warm").status, 200);
+    aborting.store(true, Ordering::SeqCst);
+    for i in 0..2 {
+        let before = b.requests();
+        let resp = post_chat(r.addr, &format!("generate once {i}"));
+        assert_openai_error(&resp, 502);
+        assert_eq!(b.requests() - before, 1, "delivered more than once");
+    }
+    assert_eq!(stale_pooled_resends(&r), 0);
 }
 
 // ---- 4. the route allowlist ----

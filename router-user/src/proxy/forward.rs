@@ -18,7 +18,7 @@ use crate::http::request::{BodyFraming, RequestHead};
 use crate::http::response::{self, ResponseFraming};
 use crate::proxy::client::{Body, ClientConn, Request};
 use crate::proxy::io::{Read, read_more, write_all, write_head_and_body, write_range};
-use crate::proxy::pool::{BackendConn, Pool};
+use crate::proxy::pool::{BackendConn, Pool, found_closed};
 use crate::route::backend::{Backend, InFlight};
 use crate::route::feedback::{Usage, UsageScanner};
 use crate::route::select::Decision;
@@ -149,6 +149,8 @@ pub async fn forward(
     let rhead = match exchange(cfg, c, head, body, &mut bc).await {
         Ok(h) => h,
         Err(Exchange::NotSent(why)) if bc.reused => {
+            found_closed(&bc, backend);
+            pool.closed_young(backend);
             debug!(backend = %backend.url, why, "pooled connection failed before the request was written; sending it on a fresh one");
             return Err(Failure::Retry(
                 RouterError::new(Kind::BadGateway, "a pooled backend connection failed")
@@ -275,6 +277,7 @@ pub async fn forward(
     let streamed = rhead.framing == ResponseFraming::Chunked;
     if rhead.reusable && !leftover && !(streamed && backend.closes_after_stream.load(Relaxed)) {
         bc.after_stream = streamed;
+        bc.answered();
         pool.put(bc, cfg.limits.max_idle_per_backend);
     }
     Ok(Answered {
@@ -307,7 +310,15 @@ async fn exchange(
     bc: &mut BackendConn,
 ) -> Result<response::ResponseHead, Exchange> {
     let timeout = ms(cfg.timeouts.backend_idle_ms);
-    let res = if c.body_bytes(body).len() > COALESCE_BODY {
+    let body_len = c.body_bytes(body).len();
+    // A small body is already behind the head in `c.fwd`.
+    let separate_body = if body_len > COALESCE_BODY {
+        body_len
+    } else {
+        0
+    };
+    bc.sending(c.fwd.len() + separate_body);
+    let res = if body_len > COALESCE_BODY {
         let ClientConn {
             fwd,
             buf,
@@ -337,6 +348,15 @@ async fn exchange(
         .await
         {
             Read::Data(_) => {}
+            // A pooled connection is sent on without a check when it was
+            // idle briefly (`pool`); its backend may have closed it before
+            // reading the request, which its acknowledgements tell. A reset
+            // without a close (an abortive close after reading) does not.
+            Read::Eof if c.rbuf.is_empty() && bc.reused && bc.request_unacknowledged() => {
+                return Err(Exchange::NotSent(
+                    "the backend had closed the pooled connection before reading the request",
+                ));
+            }
             Read::Eof if c.rbuf.is_empty() => return Err(Exchange::Unanswered("closed")),
             Read::Err if c.rbuf.is_empty() => return Err(Exchange::Unanswered("reset")),
             Read::Eof | Read::Err => {

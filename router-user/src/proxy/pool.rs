@@ -24,6 +24,13 @@ pub struct BackendConn {
     pub reused: bool,
     /// Its last answer was streamed (chunked).
     pub after_stream: bool,
+    /// How long it sat in the pool before this request.
+    pub idle: Duration,
+    /// Request bytes written on it before the current request, all of
+    /// which the backend acknowledged (it answered them).
+    written: u64,
+    /// Bytes of the request being sent on it.
+    current: u64,
 }
 
 impl BackendConn {
@@ -33,20 +40,82 @@ impl BackendConn {
             count: backend.conn_opened(),
             reused: false,
             after_stream: false,
+            idle: Duration::ZERO,
+            written: 0,
+            current: 0,
         }
     }
 
     fn backend(&self) -> &Backend {
         self.count.backend()
     }
+
+    /// A request of `bytes` is being sent on it.
+    pub fn sending(&mut self, bytes: usize) {
+        self.current = bytes as u64;
+    }
+
+    /// The current request was answered whole.
+    pub fn answered(&mut self) {
+        self.written += std::mem::take(&mut self.current);
+    }
+
+    /// Whether the backend's TCP acknowledged none of the current request's
+    /// bytes (asked after the backend closed the connection). Its
+    /// application reads only what its kernel received, and a close sends
+    /// a FIN acknowledging everything received; so a close that acknowledged
+    /// nothing of the request came before the backend read any of it. One
+    /// `getsockopt(TCP_INFO)`, on the failure path only. `false` when the
+    /// kernel does not say.
+    pub fn request_unacknowledged(&self) -> bool {
+        // Our SYN counts as one acknowledged byte.
+        bytes_acked(self.stream.as_raw_fd()).is_some_and(|acked| acked <= 1 + self.written)
+    }
+}
+
+/// `tcpi_bytes_acked` (Linux 4.1+) of a TCP socket.
+fn bytes_acked(fd: std::os::fd::RawFd) -> Option<u64> {
+    /// Offset of `tcpi_bytes_acked` in `struct tcp_info` (stable ABI).
+    const BYTES_ACKED_AT: usize = 120;
+    let mut info = [0u8; 256];
+    let mut len = info.len() as libc::socklen_t;
+    // SAFETY: `info` is a writable buffer of `len` bytes that the kernel
+    // fills with at most `len` bytes of `struct tcp_info`, and `len` is
+    // updated to what it wrote; `fd` is an open socket owned by the caller.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            info.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
+    let field = info.get(BYTES_ACKED_AT..BYTES_ACKED_AT + 8)?;
+    (rc == 0 && len as usize >= BYTES_ACKED_AT + 8)
+        .then(|| u64::from_ne_bytes(field.try_into().expect("8 bytes")))
+}
+
+/// Learns, from a pooled connection found closed, whether the backend
+/// closes connections after streamed answers (llama-server does).
+pub fn found_closed(conn: &BackendConn, backend: &Backend) {
+    if conn.after_stream
+        && conn.idle < CLOSED_AFTER_STREAM
+        && !backend.closes_after_stream.swap(true, Relaxed)
+    {
+        info!(backend = %backend.url, "backend closes connections after streamed answers; not pooling those");
+    }
 }
 
 /// Whether an idle connection can carry a request: the backend has not
 /// closed or reset it, and sent nothing nobody asked for. One non-blocking
-/// `recv(MSG_PEEK)`: a backend's keep-alive timeout (uvicorn's is 5 s) closes
-/// idle connections, and a request written to one of them could not be told
-/// apart from one the backend read and dropped (see the delivery rule in
-/// `forward`). A close racing this check still gets a 502, never a re-send.
+/// `recv(MSG_PEEK)`, for connections idle [`PEEK_AFTER_IDLE`] or longer: a
+/// backend's keep-alive timeout (uvicorn's is 5 s) closes idle connections,
+/// and finding them before use spares a wasted send and a re-send each
+/// (after a quiet spell, a burst would find many). A connection idle for
+/// less is sent on unchecked: a close the backend made before reading the
+/// request is told by its acknowledgements afterwards
+/// ([`BackendConn::request_unacknowledged`]), and re-sent.
 fn still_open(stream: &TcpStream) -> bool {
     use nix::sys::socket::{MsgFlags, recv};
     let mut byte = [0u8; 1];
@@ -65,6 +134,19 @@ fn still_open(stream: &TcpStream) -> bool {
 /// (uvicorn's and cpp-httplib's are 5 s).
 const CLOSED_AFTER_STREAM: Duration = Duration::from_secs(1);
 
+/// Pooled connections idle this long or longer are checked before use
+/// (`still_open`); fresher ones are not, which saves a system call per
+/// request under load: 4.6% of the router's CPU samples at 64 connections
+/// of tiny requests (ARCHITECTURE.md, "Reusing a pooled connection without
+/// a system call"). Keep-alive timeouts are seconds (uvicorn's, Node's and
+/// cpp-httplib's 5 s, nginx's 75 s), so this one sees the closes they make.
+const PEEK_AFTER_IDLE: Duration = Duration::from_secs(1);
+/// After a connection of a backend is found closed younger than
+/// [`PEEK_AFTER_IDLE`], all of its connections are checked for this long
+/// (a backend that closes after every answer would otherwise cost a wasted
+/// send and a re-send per request).
+const CHECK_AFTER_YOUNG_CLOSE: Duration = Duration::from_secs(60);
+
 struct Idle {
     conn: BackendConn,
     since: Instant,
@@ -75,6 +157,17 @@ struct Idle {
 struct Stack {
     generation: u64,
     idle: Vec<Idle>,
+    /// Until then every connection is checked before reuse, however fresh:
+    /// one of this backend's was found closed young.
+    check_until: Option<Instant>,
+}
+
+impl Stack {
+    fn reset(&mut self, generation: u64) {
+        self.idle.clear();
+        self.generation = generation;
+        self.check_until = None;
+    }
 }
 
 /// Idle connections by backend identity: indexed by slot for speed, each
@@ -100,25 +193,36 @@ impl Pool {
         let mut stacks = self.stacks.borrow_mut();
         let stack = &mut stacks[backend.slot];
         if stack.generation != backend.generation {
-            stack.idle.clear();
-            stack.generation = backend.generation;
+            stack.reset(backend.generation);
             return None;
         }
+        let now = Instant::now();
+        let check_all = stack.check_until.is_some_and(|t| now < t);
         while let Some(i) = stack.idle.pop() {
-            let idle = i.since.elapsed();
-            if idle <= max_idle && still_open(&i.conn.stream) {
-                let mut conn = i.conn;
+            let mut conn = i.conn;
+            conn.idle = now.saturating_duration_since(i.since);
+            let (young, usable) = (conn.idle < PEEK_AFTER_IDLE, conn.idle <= max_idle);
+            if usable && ((young && !check_all) || still_open(&conn.stream)) {
                 conn.reused = true;
                 return Some(conn);
             }
-            if i.conn.after_stream
-                && idle < CLOSED_AFTER_STREAM
-                && !backend.closes_after_stream.swap(true, Relaxed)
-            {
-                info!(backend = %backend.url, "backend closes connections after streamed answers; not pooling those");
+            if usable && young {
+                // Checked (the backend is under watch) and found closed young.
+                stack.check_until = Some(now + CHECK_AFTER_YOUNG_CLOSE);
             }
+            found_closed(&conn, backend);
         }
         None
+    }
+
+    /// A connection to `backend` taken unchecked was found closed: check
+    /// every one of its connections before reuse for a while.
+    pub fn closed_young(&self, backend: &Backend) {
+        let mut stacks = self.stacks.borrow_mut();
+        let stack = &mut stacks[backend.slot];
+        if stack.generation == backend.generation {
+            stack.check_until = Some(Instant::now() + CHECK_AFTER_YOUNG_CLOSE);
+        }
     }
 
     /// Keeps `conn` for reuse, unless its backend left the fleet or the
@@ -132,8 +236,7 @@ impl Pool {
         let mut stacks = self.stacks.borrow_mut();
         let stack = &mut stacks[b.slot];
         if stack.generation != b.generation {
-            stack.idle.clear();
-            stack.generation = b.generation;
+            stack.reset(b.generation);
         }
         if stack.idle.len() < max_per_backend {
             stack.idle.push(Idle {
