@@ -64,8 +64,12 @@ struct ConnStats {
 }
 
 /// Runs `spec`; calls `probe` when the measured window opens and when it
-/// closes (from this thread) and returns both values with the result.
-pub fn run<P: FnMut() -> f64>(spec: &LoadSpec, mut probe: P) -> anyhow::Result<(LoadResult, f64)> {
+/// closes (from this thread) and returns the difference of each of its
+/// values (CPU seconds of the proxy and of the engines, say) with the result.
+pub fn run<P: FnMut() -> [f64; 2]>(
+    spec: &LoadSpec,
+    mut probe: P,
+) -> anyhow::Result<(LoadResult, [f64; 2])> {
     anyhow::ensure!(
         !spec.targets.is_empty() && spec.concurrency > 0,
         "nothing to load"
@@ -121,7 +125,7 @@ pub fn run<P: FnMut() -> f64>(spec: &LoadSpec, mut probe: P) -> anyhow::Result<(
         r.latency.add(&c.latency)?;
         r.first_byte.add(&c.first_byte)?;
     }
-    Ok((r, b - a))
+    Ok((r, [b[0] - a[0], b[1] - a[1]]))
 }
 
 async fn conn_loop(addr: SocketAddr, req: Arc<Vec<u8>>, t0: Instant, t1: Instant) -> ConnStats {

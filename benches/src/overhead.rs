@@ -104,6 +104,10 @@ pub struct Sample {
     pub first_byte_p99_us: f64,
     /// CPU microseconds per request of the proxy (master and workers).
     pub cpu_us_per_req: Option<f64>,
+    /// CPU microseconds per request of all the engines together: what the
+    /// proxy in front makes them spend (how it spreads and batches).
+    #[serde(default)]
+    pub engines_cpu_us_per_req: f64,
     /// Share of one core the load generator used.
     pub loadgen_core: f64,
 }
@@ -125,6 +129,12 @@ pub struct Row {
     pub added_first_byte_p50_us: f64,
     pub added_first_byte_p99_us: f64,
     pub cpu_us_per_req: Option<f64>,
+    /// The engines' CPU per request (median over rounds).
+    #[serde(default)]
+    pub engines_cpu_us_per_req: f64,
+    /// The load generator's CPU per request (median over rounds).
+    #[serde(default)]
+    pub loadgen_cpu_us_per_req: f64,
     pub errors: u64,
 }
 
@@ -233,6 +243,7 @@ impl Stand {
 
 fn measure(
     t: &Target,
+    engines: &[u32],
     phase: &str,
     concurrency: usize,
     repeat: usize,
@@ -246,12 +257,15 @@ fn measure(
         warmup: Duration::from_millis(cfg.warmup_ms),
         duration: Duration::from_millis(cfg.duration_ms),
     };
-    let probe = || match t.cpu {
-        Some((pid, true)) => cpu::tree_cpu_s(pid),
-        Some((pid, false)) => cpu::process_cpu_s(pid),
-        None => 0.0,
+    let probe = || {
+        let proxy = match t.cpu {
+            Some((pid, true)) => cpu::tree_cpu_s(pid),
+            Some((pid, false)) => cpu::process_cpu_s(pid),
+            None => 0.0,
+        };
+        [proxy, engines.iter().map(|&e| cpu::process_cpu_s(e)).sum()]
     };
-    let (r, cpu_s) = loadgen::run(&spec, probe)?;
+    let (r, [cpu_s, engines_s]) = loadgen::run(&spec, probe)?;
     Ok(Sample {
         phase: phase.to_string(),
         target: t.name.to_string(),
@@ -267,6 +281,7 @@ fn measure(
         first_byte_p50_us: q_us(&r.first_byte, 0.5),
         first_byte_p99_us: q_us(&r.first_byte, 0.99),
         cpu_us_per_req: t.cpu.map(|_| cpu_s * 1e6 / r.ok.max(1) as f64),
+        engines_cpu_us_per_req: engines_s * 1e6 / r.ok.max(1) as f64,
         loadgen_core: r.loadgen_cpu_s / r.window_s,
     })
 }
@@ -280,13 +295,14 @@ fn rounds(
     tick: &mut dyn FnMut(&str),
 ) -> anyhow::Result<()> {
     let targets = stand.targets();
+    let engines: Vec<u32> = stand.engines.iter().map(|e| e.child.pid()).collect();
     for rep in 0..cfg.repeats {
         for (i, (phase, c, req)) in cases.iter().enumerate() {
             for k in 0..targets.len() {
                 anyhow::ensure!(!fleet::interrupted(), "interrupted");
                 let t = &targets[(k + rep + i) % targets.len()];
                 tick(&format!("{phase} c={c} {} round {}", t.name, rep + 1));
-                samples.push(measure(t, phase, *c, rep, req, cfg)?);
+                samples.push(measure(t, &engines, phase, *c, rep, req, cfg)?);
             }
         }
     }
@@ -397,6 +413,12 @@ pub fn aggregate(samples: &[Sample]) -> Vec<Row> {
             added_first_byte_p50_us: added(|s| s.first_byte_p50_us),
             added_first_byte_p99_us: added(|s| s.first_byte_p99_us),
             cpu_us_per_req: (!cpu.is_empty()).then(|| median(cpu)),
+            engines_cpu_us_per_req: median(ss.iter().map(|s| s.engines_cpu_us_per_req).collect()),
+            loadgen_cpu_us_per_req: median(
+                ss.iter()
+                    .map(|s| s.loadgen_core * 1e6 / s.rps.max(1e-9))
+                    .collect(),
+            ),
             errors: ss.iter().map(|s| s.errors).sum(),
         });
     }

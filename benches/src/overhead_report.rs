@@ -141,6 +141,8 @@ mod tests {
             added_first_byte_p50_us: 0.0,
             added_first_byte_p99_us: 0.0,
             cpu_us_per_req: Some(cpu),
+            engines_cpu_us_per_req: 0.0,
+            loadgen_cpu_us_per_req: 0.0,
             errors: 0,
         }
     }
@@ -222,6 +224,7 @@ mod tests {
             first_byte_p50_us: 0.0,
             first_byte_p99_us: 0.0,
             cpu_us_per_req: None,
+            engines_cpu_us_per_req: 0.0,
             loadgen_core: 0.0,
         }
     }

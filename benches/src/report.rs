@@ -371,7 +371,7 @@ pub fn markdown(r: &BenchResults, comparison: Option<&str>) -> String {
         let _ = writeln!(m, "## Router overhead: direct vs nginx vs prefix-router\n");
         let _ = writeln!(
             m,
-            "{} zero-delay `sim-engine`s; prefix-router (`--policy prefix`, {} workers) and nginx ({} workers, keep-alive round-robin) in front of the same engines, all running side by side. {} rounds, target order rotating each round; each run {} ms warm-up then {} ms measured. Added latency = percentile minus direct's in the same round, median over rounds. CPU = the proxy's utime+stime from /proc (nginx: master + workers) over the measured window, per request. Phases: `tiny` (a 90-byte chat request, `max_tokens` 1), `prompt-N KB` (a chat whose system prompt makes the body N KB) at concurrency {}, `stream` (streamed answer of 16 tokens at 2 ms each; first byte = first response byte) at concurrency {}.\n",
+            "{} zero-delay `sim-engine`s; prefix-router (`--policy prefix`, {} workers) and nginx ({} workers, keep-alive round-robin) in front of the same engines, all running side by side. {} rounds, target order rotating each round; each run {} ms warm-up then {} ms measured. Added latency = percentile minus direct's in the same round, median over rounds. CPU = the proxy's utime+stime from /proc (nginx: master + workers) over the measured window, per request; engines CPU is all the engines' together in the same window and load gen CPU the load generator's thread, per request: on a machine they share, what one proxy makes the others spend moves the throughput as much as its own CPU. Phases: `tiny` (a 90-byte chat request, `max_tokens` 1), `prompt-N KB` (a chat whose system prompt makes the body N KB) at concurrency {}, `stream` (streamed answer of 16 tokens at 2 ms each; first byte = first response byte) at concurrency {}.\n",
             c.engines,
             c.workers,
             c.workers,
@@ -398,6 +398,8 @@ pub fn markdown(r: &BenchResults, comparison: Option<&str>) -> String {
             "added 1st byte p50",
             "p99",
             "CPU us/req",
+            "engines CPU us/req",
+            "load gen CPU us/req",
             "errors",
         ]);
         for x in &o.rows {
@@ -423,6 +425,8 @@ pub fn markdown(r: &BenchResults, comparison: Option<&str>) -> String {
                 a(x.added_first_byte_p50_us),
                 a(x.added_first_byte_p99_us),
                 x.cpu_us_per_req.map_or("-".into(), |c| format!("{c:.1}")),
+                format!("{:.1}", x.engines_cpu_us_per_req),
+                format!("{:.1}", x.loadgen_cpu_us_per_req),
                 x.errors.to_string(),
             ]);
         }

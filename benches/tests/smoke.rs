@@ -124,6 +124,12 @@ fn tiny_bench_measures_every_target() {
             .unwrap_or_else(|| panic!("no tiny row for {t}"));
         assert!(row["rps"].as_f64().unwrap() > 0.0, "{row}");
         assert_eq!(row["errors"].as_u64(), Some(0), "{row}");
+        // What the engines and the load generator spent per request
+        // behind this target: real work, under a millisecond each.
+        for k in ["engines_cpu_us_per_req", "loadgen_cpu_us_per_req"] {
+            let v = row[k].as_f64().unwrap();
+            assert!(v > 0.0 && v < 1_000.0, "{k}: {row}");
+        }
     }
     assert!(rows.iter().any(|x| x["phase"] == "stream"));
     let q = r["quality_rows"].as_array().unwrap();
