@@ -46,6 +46,9 @@ pub struct OverheadCfg {
     pub sizes_kb: Vec<usize>,
     pub size_concurrency: usize,
     pub stream_concurrency: usize,
+    /// Whether the streaming phase runs.
+    #[serde(default = "yes")]
+    pub stream: bool,
     pub repeats: usize,
     pub warmup_ms: u64,
     pub duration_ms: u64,
@@ -61,6 +64,7 @@ impl OverheadCfg {
             sizes_kb: vec![4, 64, 400],
             size_concurrency: 1,
             stream_concurrency: 1,
+            stream: true,
             repeats: 3,
             warmup_ms: 300,
             duration_ms: 1500,
@@ -82,7 +86,7 @@ impl OverheadCfg {
 
     /// Measured runs this config makes per target.
     pub fn runs(&self) -> usize {
-        self.repeats * (self.concurrencies.len() + self.sizes_kb.len() + 1)
+        self.repeats * (self.concurrencies.len() + self.sizes_kb.len() + usize::from(self.stream))
     }
 }
 
@@ -341,11 +345,13 @@ pub fn run(
     rounds(&stand, cfg, &cases, &mut samples, tick)?;
     drop(stand);
 
-    let (stand, _) = Stand::start(bins, cfg, STREAM_ENGINE, nginx, &dir.join("nginx-stream"))?;
-    let req = Arc::new(body::http_request(&body::tiny_body(true, STREAM_TOKENS)));
-    let cases = vec![("stream".to_string(), cfg.stream_concurrency, req)];
-    rounds(&stand, cfg, &cases, &mut samples, tick)?;
-    drop(stand);
+    if cfg.stream {
+        let (stand, _) = Stand::start(bins, cfg, STREAM_ENGINE, nginx, &dir.join("nginx-stream"))?;
+        let req = Arc::new(body::http_request(&body::tiny_body(true, STREAM_TOKENS)));
+        let cases = vec![("stream".to_string(), cfg.stream_concurrency, req)];
+        rounds(&stand, cfg, &cases, &mut samples, tick)?;
+        drop(stand);
+    }
 
     let (loadgen_ceiling_rps, loadgen_ceiling_core) = samples
         .iter()
@@ -360,6 +366,10 @@ pub fn run(
         loadgen_ceiling_core,
         nginx_note,
     })
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -201,6 +201,14 @@ struct BenchArgs {
     /// Rounds of the overhead runs.
     #[arg(long)]
     repeats: Option<usize>,
+    /// Concurrencies of the overhead bench's tiny requests, comma-separated
+    /// [default: 1,16,64,256].
+    #[arg(long, value_delimiter = ',')]
+    concurrencies: Vec<usize>,
+    /// Overhead bench: tiny requests only (no prompt sizes, no streaming),
+    /// for many rounds of one case (`--concurrencies 64 --repeats 100`).
+    #[arg(long)]
+    tiny_only: bool,
     /// Seconds per quality run.
     #[arg(long)]
     quality_duration: Option<f64>,
@@ -377,6 +385,13 @@ fn bench(
     } else {
         OverheadCfg::full()
     };
+    if !a.concurrencies.is_empty() {
+        ocfg.concurrencies = a.concurrencies.iter().map(|&c| c.max(1)).collect();
+    }
+    if a.tiny_only {
+        ocfg.sizes_kb.clear();
+        ocfg.stream = false;
+    }
     if let Some(r) = a.repeats {
         ocfg.repeats = r.max(1);
     }
