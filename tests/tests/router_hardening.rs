@@ -216,17 +216,24 @@ fn closes_idle_after_100ms() -> FakeBackend {
     })
 }
 
+/// A one-worker router in front of `b`, after `n` chat turns that each
+/// answered 200, `pause` apart.
+fn turns(b: &FakeBackend, n: usize, pause: Duration) -> Router {
+    let r = Router::spawn(&[b.url()], ONE_POOL, "");
+    for i in 0..n {
+        let resp = post_chat(r.addr, &format!("turn {i}"));
+        assert_eq!(resp.status, 200, "{}", resp.text());
+        std::thread::sleep(pause);
+    }
+    r
+}
+
 #[test]
 fn a_pooled_connection_the_backend_closed_while_idle_is_not_used() {
     // Idle over a second: the pool checks the connection before use and
     // finds it closed, so nothing is sent on it.
     let b = closes_idle_after_100ms();
-    let r = Router::spawn(&[b.url()], ONE_POOL, "");
-    for i in 0..3 {
-        let resp = post_chat(r.addr, &format!("turn {i}"));
-        assert_eq!(resp.status, 200, "{}", resp.text());
-        std::thread::sleep(Duration::from_millis(1_300));
-    }
+    let r = turns(&b, 3, Duration::from_millis(1_300));
     assert_eq!(b.requests(), 3);
     assert_eq!(stale_pooled_resends(&r), 0);
 }
@@ -239,12 +246,7 @@ fn a_request_sent_on_a_connection_closed_before_it_was_read_goes_again() {
     // router sends it again on a fresh connection, and the client sees
     // only its answer.
     let b = closes_idle_after_100ms();
-    let r = Router::spawn(&[b.url()], ONE_POOL, "");
-    for i in 0..3 {
-        let resp = post_chat(r.addr, &format!("turn {i}"));
-        assert_eq!(resp.status, 200, "{}", resp.text());
-        std::thread::sleep(Duration::from_millis(400));
-    }
+    let r = turns(&b, 3, Duration::from_millis(400));
     assert_eq!(b.requests(), 3, "each request read once");
     // The second closed connection is found by the check before use: after
     // the first, the pool watches this backend's connections.
@@ -260,13 +262,8 @@ fn a_backend_that_closes_after_every_answer_costs_one_resend() {
         respond(s, 200, JSON, CHAT_ANSWER);
         false
     });
-    let r = Router::spawn(&[b.url()], ONE_POOL, "");
-    for i in 0..8 {
-        let resp = post_chat(r.addr, &format!("turn {i}"));
-        assert_eq!(resp.status, 200, "{}", resp.text());
-        // Long enough for the close to arrive before the next request.
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    // 50 ms apart: long enough for each close to arrive before the next.
+    let r = turns(&b, 8, Duration::from_millis(50));
     assert_eq!(b.requests(), 8, "each request read once");
     assert_eq!(stale_pooled_resends(&r), 1, "{}", r.metrics());
 }
