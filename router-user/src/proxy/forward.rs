@@ -18,7 +18,7 @@ use crate::http::request::{BodyFraming, RequestHead};
 use crate::http::response::{self, ResponseFraming};
 use crate::proxy::client::{Body, ClientConn, Request};
 use crate::proxy::io::{Read, read_more, write_all, write_head_and_body, write_range};
-use crate::proxy::pool::{BackendConn, Pool, found_closed};
+use crate::proxy::pool::{BackendConn, Pool};
 use crate::route::backend::{Backend, InFlight};
 use crate::route::feedback::{Usage, UsageScanner};
 use crate::route::select::Decision;
@@ -149,8 +149,7 @@ pub async fn forward(
     let rhead = match exchange(cfg, c, head, body, &mut bc).await {
         Ok(h) => h,
         Err(Exchange::NotSent(why)) if bc.reused => {
-            found_closed(&bc, backend);
-            pool.closed_young(backend);
+            pool.closed_young(&bc, backend);
             debug!(backend = %backend.url, why, "pooled connection failed before the request was written; sending it on a fresh one");
             return Err(Failure::Retry(
                 RouterError::new(Kind::BadGateway, "a pooled backend connection failed")

@@ -98,7 +98,7 @@ fn bytes_acked(fd: std::os::fd::RawFd) -> Option<u64> {
 
 /// Learns, from a pooled connection found closed, whether the backend
 /// closes connections after streamed answers (llama-server does).
-pub fn found_closed(conn: &BackendConn, backend: &Backend) {
+fn found_closed(conn: &BackendConn, backend: &Backend) {
     if conn.after_stream
         && conn.idle < CLOSED_AFTER_STREAM
         && !backend.closes_after_stream.swap(true, Relaxed)
@@ -216,9 +216,11 @@ impl Pool {
         None
     }
 
-    /// A connection to `backend` taken unchecked was found closed: check
-    /// every one of its connections before reuse for a while.
-    pub fn closed_young(&self, backend: &Backend) {
+    /// `conn`, taken to `backend` unchecked, was found closed: learn what
+    /// that says of the backend, and check every one of its connections
+    /// before reuse for a while.
+    pub fn closed_young(&self, conn: &BackendConn, backend: &Backend) {
+        found_closed(conn, backend);
         let mut stacks = self.stacks.borrow_mut();
         let stack = &mut stacks[backend.slot];
         if stack.generation == backend.generation {
