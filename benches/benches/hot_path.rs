@@ -8,15 +8,15 @@
 //! it and folds the figures into its results.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use prefix_router::route::MAX_BACKENDS;
-use prefix_router::route::extract::{Endpoint, Extractor};
-use prefix_router::route::hash::{
+use prefix_router::fleet::MAX_BACKENDS;
+use prefix_router::fleet::index::{Matches, PrefixIndex};
+use prefix_router::fleet::owners::BackendSet;
+use prefix_router::policy::select::{BackendLoad, Policy, RouteInput, select};
+use prefix_router::prompt::extract::{Endpoint, Extractor};
+use prefix_router::prompt::hash::{
     DEFAULT_BLOCK_BYTES, block_hashes, block_hashes_pieces, namespace_seed,
 };
-use prefix_router::route::index::{Matches, PrefixIndex};
-use prefix_router::route::owners::BackendSet;
-use prefix_router::route::scan::{Canonical, scan};
-use prefix_router::route::select::{BackendLoad, Policy, RouteInput, select};
+use prefix_router::prompt::scan::{Canonical, scan};
 use router_benches::body::chat_body;
 use std::hint::black_box;
 
@@ -101,7 +101,7 @@ fn hashing(c: &mut Criterion) {
 /// Chained-looking block hashes: `n` distinct nonzero values per prompt `p`.
 fn prompt_hashes(p: u64, n: usize) -> Vec<u64> {
     (0..n as u64)
-        .map(|i| prefix_router::route::select::mix(p.wrapping_mul(1 << 20) ^ i).max(1))
+        .map(|i| prefix_router::policy::select::mix(p.wrapping_mul(1 << 20) ^ i).max(1))
         .collect()
 }
 
@@ -213,7 +213,7 @@ fn selection(c: &mut Criterion) {
                 eligible: true,
                 in_flight: (i % 7) as u32,
                 queued_prefill_blocks: (i % 5) as u32 * 40,
-                id_hash: prefix_router::route::select::mix(i as u64 + 1),
+                id_hash: prefix_router::policy::select::mix(i as u64 + 1),
                 cached_blocks: (i % 4) as u32 * 500,
                 capacity_blocks: 4096,
                 prefill_rate: 600.0 + i as f32,
@@ -246,7 +246,7 @@ fn selection(c: &mut Criterion) {
 /// up in the table, each backend ranked, the best rank kept (a fleet of
 /// four models, one backend in four listing a LoRA adapter too).
 fn model_filter(c: &mut Criterion) {
-    use prefix_router::route::models::{Member, ModelTable, Served, ServedModel, Spec, keep_best};
+    use prefix_router::fleet::models::{Member, ModelTable, Served, ServedModel, Spec, keep_best};
     let mut g = c.benchmark_group("model_filter");
     g.throughput(Throughput::Elements(1));
     let urls: Vec<String> = (0..MAX_BACKENDS)
@@ -361,7 +361,7 @@ fn fleet_size(c: &mut Criterion) {
                     loads.push(BackendLoad {
                         eligible: true,
                         in_flight: (b % 3) as u32,
-                        id_hash: prefix_router::route::select::mix(b as u64 + 1),
+                        id_hash: prefix_router::policy::select::mix(b as u64 + 1),
                         cached_blocks: idx.tracked(b) as u32,
                         capacity_blocks: HELD as u32,
                         ..Default::default()

@@ -8,16 +8,16 @@
 //! `cargo bench -p router-benches --bench precise`
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use prefix_router::fleet::index::{Matches, PrefixIndex};
+use prefix_router::fleet::owners::BackendSet;
 use prefix_router::precise::events::{Groups, decode_batch};
 use prefix_router::precise::index::{PreciseIndex, StoredChain};
 use prefix_router::precise::keys::{TokenScratch, chain_seed, engine_tokens, request_keys};
 use prefix_router::precise::tokenizer::{
     Choice, DEFAULT_CACHE_TOKENS, DEFAULT_DEFER_BYTES, ModelTokenizer, TokenPool,
 };
-use prefix_router::route::extract::{Endpoint, Extractor};
-use prefix_router::route::hash::{DEFAULT_BLOCK_BYTES, block_hashes, namespace_seed};
-use prefix_router::route::index::{Matches, PrefixIndex};
-use prefix_router::route::owners::BackendSet;
+use prefix_router::prompt::extract::{Endpoint, Extractor};
+use prefix_router::prompt::hash::{DEFAULT_BLOCK_BYTES, block_hashes, namespace_seed};
 use router_benches::body::chat_body;
 use std::hint::black_box;
 use std::sync::Arc;
@@ -129,7 +129,7 @@ fn route(c: &mut Criterion) {
     g.finish();
 }
 
-/// The canonical form of a chat (`route::extract`'s `RS role US text`).
+/// The canonical form of a chat (`prompt::extract`'s `RS role US text`).
 fn canonical(msgs: &[(&str, String)]) -> Vec<u8> {
     let mut c = Vec::new();
     for (role, text) in msgs {

@@ -17,7 +17,7 @@ const LONG_KB: usize = 64;
 
 /// Checks issue 13's targets on the rows present (a run without nginx, or
 /// without a phase, checks nothing for it).
-pub fn check_issue13(o: &OverheadResults, c: &mut Vec<Check>) {
+pub fn check_overhead_targets(o: &OverheadResults, c: &mut Vec<Check>) {
     let pair = |phase: &str, conc: usize| -> Option<(&Row, &Row)> {
         o.row(phase, conc, "prefix-router")
             .zip(o.row(phase, conc, "nginx"))
@@ -163,7 +163,7 @@ mod tests {
 
     fn verdicts(o: &OverheadResults) -> Vec<(String, bool)> {
         let mut c = Vec::new();
-        check_issue13(o, &mut c);
+        check_overhead_targets(o, &mut c);
         c.into_iter().map(|c| (c.target, c.met)).collect()
     }
 
@@ -248,7 +248,7 @@ mod tests {
             sample(R, 3, 90_000.0),
         ];
         let mut c = Vec::new();
-        check_issue13(&o, &mut c);
+        check_overhead_targets(&o, &mut c);
         let t = c
             .iter()
             .find(|c| c.target.contains("throughput"))

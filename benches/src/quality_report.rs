@@ -11,7 +11,7 @@ pub const PEERS_NOTE: &str = "Peer routers: sglang-router 0.3.2, vllm-router 0.1
 impl BenchResults {
     /// Issue 9's targets, on the rows that ran: against the best peer under
     /// memory pressure, and against round-robin on the hot prompt.
-    pub(crate) fn check_issue9(&self, c: &mut Vec<Check>) {
+    pub(crate) fn check_placement_targets(&self, c: &mut Vec<Check>) {
         let row = |sc: &str, p: &str| {
             self.quality_rows
                 .iter()

@@ -148,7 +148,7 @@ impl BenchResults {
     pub fn check_targets(&mut self) {
         let mut c = Vec::new();
         if let Some(o) = &self.overhead {
-            crate::overhead_report::check_issue13(o, &mut c);
+            crate::overhead_report::check_overhead_targets(o, &mut c);
         }
         let mut push = |target: &str, measured: String, met: bool, margin: String| {
             c.push(Check {
@@ -235,7 +235,7 @@ impl BenchResults {
                 format!("{:+.2}", p.load_max_mean - 1.3),
             );
         }
-        self.check_issue9(&mut c);
+        self.check_placement_targets(&mut c);
         self.checks = c;
     }
 

@@ -14,7 +14,7 @@ use crate::config::{Config, ms};
 use crate::control::membership::Membership;
 use crate::control::{admin, discovery, health, loadview, logging, reload};
 use crate::proxy::listener;
-use crate::router::Router;
+use crate::shared::Router;
 
 /// Raises the soft open-files limit to the hard one: every client connection
 /// and every backend connection is a descriptor, and the usual soft limit

@@ -13,11 +13,11 @@ pub mod ebpf;
 pub mod models;
 pub mod precise;
 
+use crate::fleet::MAX_BACKENDS;
+use crate::fleet::slots::EngineKind;
 use crate::http::url::HttpUrl;
-use crate::route::MAX_BACKENDS;
-use crate::route::hash::DEFAULT_BLOCK_BYTES;
-use crate::route::select::{Policy, PrefixParams};
-use crate::route::slots::EngineKind;
+use crate::policy::select::{Policy, PrefixParams};
+use crate::prompt::hash::DEFAULT_BLOCK_BYTES;
 
 /// The whole configuration. Every field has a default but `backends`.
 #[derive(Clone, Debug, Deserialize)]
@@ -260,7 +260,7 @@ pub struct PrefixConfig {
     /// next turn (its answers say) to be lost again, on its queue and on
     /// the request's: later turns leave a busy engine that keeps evicting
     /// their history. Only past a prompt every eligible engine holds
-    /// (`route::select::SHARED_MIN_BLOCKS`), so that the lead it discounts
+    /// (`policy::select::SHARED_MIN_BLOCKS`), so that the lead it discounts
     /// is a history and never a prompt's only copy: on by default since
     /// session 21, when it cut the hot prompt's TTFT p99 from 436 to 238 ms
     /// (round-robin 422) and lost no hits under pressure (BENCHMARKS.md,
@@ -277,7 +277,7 @@ pub struct PrefixConfig {
     /// How backends' caches are modelled: `auto` (a backend whose `/props`
     /// answers `total_slots`, llama.cpp's, is a slot engine, any other a
     /// block cache), `blocks` (vLLM-like: the prefix index) or `slots`
-    /// (llama.cpp-like: one prompt per slot, `route::slots`).
+    /// (llama.cpp-like: one prompt per slot, `fleet::slots`).
     pub engine: EngineKind,
     /// Slot engines: cost of each block of a live conversation's prompt
     /// that a request would overwrite by taking its slot, in blocks of
@@ -609,7 +609,7 @@ impl Config {
 
     /// The routing core's view of `[models]`, `[[pools]]` and the backends'
     /// `models` pins.
-    pub fn model_spec(&self) -> crate::route::models::Spec {
+    pub fn model_spec(&self) -> crate::fleet::models::Spec {
         let pinned = self
             .backends
             .iter()

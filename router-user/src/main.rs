@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Parser;
 use prefix_router::config::{BackendConfig, Config};
-use prefix_router::route::select::Policy;
+use prefix_router::policy::select::Policy;
 
 /// Prefix-cache-aware router for OpenAI-compatible inference servers.
 #[derive(Parser, Clone, Debug)]

@@ -1,7 +1,7 @@
 //! The router's metrics, registered once in one registry. The data path's
 //! own events (routing decisions, re-sends, answers nobody sent) are
 //! families keyed by enums, updated in place. Each backend's facts stay
-//! with their owners (`route::backend`: load, health, stats; the feedback;
+//! with their owners (`fleet::backend`: load, health, stats; the feedback;
 //! the index): a collector reads them at each scrape, so nothing is copied
 //! on the data path and a backend that leaves the fleet leaves the page.
 
@@ -23,12 +23,12 @@ use prometheus_client::registry::Registry;
 
 use crate::config::Config;
 use crate::error::Resend;
+use crate::fleet::backend::{Backend, Fleet, StatusClass};
+use crate::fleet::index::PrefixIndex;
+use crate::fleet::models::{Models, TTFT_BUCKETS};
+use crate::policy::select::{Choice, Decision};
 use crate::precise::Precise;
 use crate::precise::metrics::PreciseCollector;
-use crate::route::backend::{Backend, Fleet, StatusClass};
-use crate::route::index::PrefixIndex;
-use crate::route::models::{Models, TTFT_BUCKETS};
-use crate::route::select::{Choice, Decision};
 
 /// Label values are the enums' own names.
 macro_rules! label_value {
@@ -173,7 +173,7 @@ pub struct Sources {
     pub index: Arc<PrefixIndex>,
     /// Precise mode, when on: its streams and tokenizer.
     pub precise: Option<Arc<Precise>>,
-    /// Per-model counters (`route::models`), labelled by model name.
+    /// Per-model counters (`fleet::models`), labelled by model name.
     pub models: Arc<Models>,
 }
 
@@ -610,7 +610,7 @@ fn encode_models(models: &Models, encoder: &mut DescriptorEncoder) -> Result<(),
     let label = |name: &str| ModelLabels {
         model: name.to_owned(),
     };
-    type Read = fn(&crate::route::models::ModelStats) -> u64;
+    type Read = fn(&crate::fleet::models::ModelStats) -> u64;
     let counters: [(&str, &str, Read); 3] = [
         (
             "model_requests",

@@ -11,36 +11,48 @@ use std::path::{Path, PathBuf};
 const MAY_USE: &[(&str, &[&str])] = &[
     ("error", &[]),
     ("http", &["error"]),
-    ("route", &["error"]),
-    ("precise", &["error", "route"]),
-    ("config", &["error", "http", "route", "precise"]),
-    ("metrics", &["error", "config", "route", "precise"]),
+    ("prompt", &["error"]),
+    ("policy", &[]),
+    ("fleet", &["error", "policy"]),
+    ("precise", &["error", "prompt", "fleet", "policy"]),
     (
-        "router",
-        &["error", "config", "route", "precise", "metrics"],
+        "config",
+        &["error", "http", "prompt", "fleet", "policy", "precise"],
+    ),
+    (
+        "metrics",
+        &["error", "config", "prompt", "fleet", "policy", "precise"],
+    ),
+    (
+        "shared",
+        &[
+            "error", "config", "prompt", "fleet", "policy", "precise", "metrics",
+        ],
     ),
     (
         "proxy",
         &[
-            "error", "http", "config", "route", "precise", "metrics", "router",
+            "error", "http", "config", "prompt", "fleet", "policy", "precise", "metrics", "shared",
         ],
     ),
     (
         "control",
         &[
-            "error", "http", "config", "route", "precise", "metrics", "router", "proxy",
+            "error", "http", "config", "prompt", "fleet", "policy", "precise", "metrics", "shared",
+            "proxy",
         ],
     ),
     (
         "app",
         &[
-            "error", "http", "config", "route", "precise", "metrics", "router", "proxy", "control",
+            "error", "http", "config", "prompt", "fleet", "policy", "precise", "metrics", "shared",
+            "proxy", "control",
         ],
     ),
 ];
 
 struct Module {
-    /// `proxy::conn`, `route::select`, `router`.
+    /// `proxy::conn`, `policy::select`, `shared`.
     path: String,
     /// What it names with `crate::`, outside its tests.
     uses: BTreeSet<String>,
@@ -163,6 +175,13 @@ fn every_folder_uses_only_what_it_may() {
         "the layout test found {} modules: it is not reading the crate",
         modules.len()
     );
+    // The routing core's three rooms, each where ARCHITECTURE.md says.
+    for m in ["prompt::scan", "fleet::index", "policy::select", "shared"] {
+        assert!(
+            modules.contains_key(m),
+            "{m} is not where the code map says"
+        );
+    }
     let mut wrong = Vec::new();
     for m in modules.values() {
         let from = top(&m.path);

@@ -5,8 +5,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use prefix_router::route::extract::{Endpoint, Extractor};
-use prefix_router::route::scan::{Canonical, scan};
+use prefix_router::prompt::extract::{Endpoint, Extractor};
+use prefix_router::prompt::scan::{Canonical, scan};
 
 fuzz_target!(|data: &[u8]| {
     let mut ex = Extractor::default();

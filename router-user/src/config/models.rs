@@ -5,8 +5,8 @@
 use anyhow::bail;
 use serde::Deserialize;
 
-use crate::route::models::{PoolSpec, Spec, WithoutModel};
-use crate::route::select::Policy;
+use crate::fleet::models::{PoolSpec, Spec, WithoutModel};
+use crate::policy::select::Policy;
 
 /// `[models]`.
 #[derive(Clone, Debug, Deserialize, PartialEq)]

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use serde_json::json;
 use tracing::info;
 
-use crate::route::extract::Endpoint;
-use crate::router::{PromptBlocks, RouteQuery, RouteScratch, Router};
+use crate::prompt::extract::Endpoint;
+use crate::shared::{PromptBlocks, RouteQuery, RouteScratch, Router};
 
 /// Re-reads the configuration source and applies it.
 pub type Reloader = Box<dyn Fn() -> anyhow::Result<()> + Send + Sync>;
@@ -233,12 +233,12 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
 
 /// One sentence on why the first candidate won.
 fn why(
-    policy: crate::route::select::Policy,
-    routed: &crate::router::Routed,
-    scores: &[crate::route::select::Score],
-    fleet: &crate::route::backend::Fleet,
+    policy: crate::policy::select::Policy,
+    routed: &crate::shared::Routed,
+    scores: &[crate::policy::select::Score],
+    fleet: &crate::fleet::backend::Fleet,
 ) -> String {
-    use crate::route::select::{Decision, Policy};
+    use crate::policy::select::{Decision, Policy};
     let Some(first) = routed.choice.first() else {
         return "no backend is eligible (unhealthy, draining or at its in-flight limit)".into();
     };

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
 use crate::config::ms;
-use crate::route::backend::{Backend, Flip};
-use crate::router::Router;
+use crate::fleet::backend::{Backend, Flip};
+use crate::shared::Router;
 
 /// How often the supervisor looks for backends a reload added.
 const SUPERVISE_EVERY: Duration = Duration::from_millis(100);

@@ -10,8 +10,8 @@ use tracing::{debug, warn};
 
 use crate::config::ms;
 use crate::control::ebpf::{EbpfError, EbpfLoad};
-use crate::route::backend::{Fleet, XdpCounts};
-use crate::router::Router;
+use crate::fleet::backend::{Fleet, XdpCounts};
+use crate::shared::Router;
 
 /// Loads the XDP program per `ebpf.mode` for the current fleet. `Ok(None)`
 /// when it is off or unavailable in `auto` mode.

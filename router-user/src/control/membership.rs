@@ -18,10 +18,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tracing::{error, info, warn};
 
 use crate::config::{BackendConfig, Config, backend_addr};
-use crate::route::MAX_BACKENDS;
-use crate::route::backend::{Backend, Fleet, Health};
-use crate::route::owners::BackendSet;
-use crate::router::Router;
+use crate::fleet::MAX_BACKENDS;
+use crate::fleet::backend::{Backend, Fleet, Health};
+use crate::fleet::owners::BackendSet;
+use crate::shared::Router;
 
 /// The discovery sources' last good lists, by source key.
 #[derive(Debug, Default)]
@@ -196,7 +196,7 @@ mod tests {
         // One passed probe is enough for a new backend, whatever `rise`.
         assert_eq!(
             new.health.observe_probe(true, 5, 2),
-            Some(crate::route::backend::Flip::Up)
+            Some(crate::fleet::backend::Flip::Up)
         );
         assert!(new.has_room(0) && !new.health.is_unproven());
 

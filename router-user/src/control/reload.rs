@@ -8,7 +8,7 @@ use tracing::warn;
 
 use crate::config::Config;
 use crate::control::membership::Membership;
-use crate::router::Router;
+use crate::shared::Router;
 
 /// Swaps in `new`. Settings that need a restart (listen address, workers)
 /// are kept as they were, with a warning.

@@ -9,7 +9,7 @@
 //!
 //! Reads (request path) take no lock: a table slot is atomics (key, owners,
 //! burst-guard owners and their stamp), owners named by id in lanes
-//! (`route::owners`, [`LANES`] of each per slot whatever the fleet size;
+//! (`fleet::owners`, [`LANES`] of each per slot whatever the fleet size;
 //! when they are taken a new one replaces the lane its id picks: a hint
 //! lost, a later removal of the one replaced finds nothing to clear). Writes come from one subscriber
 //! thread per backend, each under that backend's own mutex, and from the
@@ -31,12 +31,12 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::Relaxed};
 
 use super::events::EngineHash;
 use super::keys::block_key;
-use crate::route::MAX_BACKENDS;
-use crate::route::index::Matches;
-use crate::route::owners::{self, Added, BackendSet, LANES};
+use crate::fleet::MAX_BACKENDS;
+use crate::fleet::index::Matches;
+use crate::fleet::owners::{self, Added, BackendSet, LANES};
 
 /// Slots probed for a key from its home slot. Past them an insert displaces
-/// a block, which cuts every chain through it: with 8 (as `route::index`)
+/// a block, which cuts every chain through it: with 8 (as `fleet::index`)
 /// on a table 37% full, a 1,023-block prompt lost its match at block 438
 /// in `benches/precise.rs`; 16 slots on a table at most half full keep
 /// displacements rare (none in that bench).

@@ -18,8 +18,8 @@
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::tokenizer::{Choice, TokenPool};
-use crate::route::extract::Endpoint;
-use crate::route::hash::namespace_seed;
+use crate::prompt::extract::Endpoint;
+use crate::prompt::hash::namespace_seed;
 
 /// vLLM's default block size on GPUs, in tokens.
 pub const DEFAULT_BLOCK_TOKENS: usize = 16;
@@ -73,7 +73,7 @@ const MSG_END: &[u8] = b"<|im_end|>\n";
 const GENERATION_PROMPT: &[u8] = b"<|im_start|>assistant\n";
 /// Bytes per token of `sim-engine`'s tokenizer.
 const BYTES_PER_TOKEN: usize = 4;
-/// `route::extract`'s separators of a chat's canonical form.
+/// `prompt::extract`'s separators of a chat's canonical form.
 const MESSAGE_START: u8 = 0x1e;
 const ROLE_END: u8 = 0x1f;
 
@@ -84,7 +84,7 @@ pub struct TokenScratch {
 }
 
 /// The engine's tokens for a request whose canonical prompt (as
-/// `route::extract` writes it) is `canonical`, written into `out` (cleared
+/// `prompt::extract` writes it) is `canonical`, written into `out` (cleared
 /// first), with the model's tokenizer `choice`. For a chat the canonical
 /// form (`RS role US text` per message) is rendered with the chat template,
 /// then tokenized (a short new last message may be left out, see

@@ -15,7 +15,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 
 use super::Precise;
 use super::confidence::{Snapshot, State};
-use crate::route::backend::Fleet;
+use crate::fleet::backend::Fleet;
 
 /// How a per-backend series reads its value.
 enum Read {

@@ -13,7 +13,7 @@
 //!   of the tokens of messages already seen.
 //!
 //! Routing reads, per backend, the precise index while that backend is
-//! EXACT and the approximate index (`route::index`, always kept) while it
+//! EXACT and the approximate index (`fleet::index`, always kept) while it
 //! is DEGRADED. Invariant: nothing here runs on the request path but
 //! [`Precise::matches`] and [`Precise::guard`] (atomics, no lock, no I/O),
 //! [`Adapters::of_model`] (a snapshot's load) and the tokenizer (its
@@ -39,9 +39,9 @@ use events::{Batch, Event};
 use index::{PreciseIndex, StoreMiss};
 use tokenizer::Tokenizers;
 
-use crate::route::MAX_BACKENDS;
-use crate::route::index::{Matches, PrefixIndex};
-use crate::route::owners::BackendSet;
+use crate::fleet::MAX_BACKENDS;
+use crate::fleet::index::{Matches, PrefixIndex};
+use crate::fleet::owners::BackendSet;
 
 /// Tuning of precise mode (`config::precise`, `[precise]`, documented there).
 #[derive(Clone, Copy, Debug)]

@@ -38,7 +38,7 @@ use minijinja::{Environment, Value, context};
 use tokenizers::Tokenizer;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-use crate::route::extract::{MESSAGE_START, ROLE_END};
+use crate::prompt::extract::{MESSAGE_START, ROLE_END};
 
 /// Template execution budget (minijinja "fuel", about one unit per
 /// instruction): real chat templates spend a few hundred units a message;
@@ -299,7 +299,7 @@ impl ModelTokenizer {
     }
 
     /// The engine's tokens of a chat whose canonical form (`RS role US
-    /// text` per message, as `route::extract` writes it) is `canonical`.
+    /// text` per message, as `prompt::extract` writes it) is `canonical`.
     /// A short last message not in `pool` is left to the pool's thread
     /// (see the module's text): `out` then holds the tokens before it.
     pub fn chat_tokens(

@@ -2,10 +2,10 @@
 //! forwarded at all, and which carry a prompt to route on.
 
 use crate::error::{Kind, RouterError};
+use crate::fleet::backend::Fleet;
+use crate::fleet::models::ModelTable;
 use crate::http::request::RequestHead;
-use crate::route::backend::Fleet;
-use crate::route::extract::Endpoint;
-use crate::route::models::ModelTable;
+use crate::prompt::extract::Endpoint;
 
 /// The traffic port's allowlist: the inference API, plus `extra` (paths in
 /// normal form, any method). Anything else is a 404 (405 for a known path
@@ -108,8 +108,8 @@ mod tests {
 
     #[test]
     fn the_models_answer_lists_what_up_backends_serve_and_names_no_backend() {
-        use crate::route::backend::Backend;
-        use crate::route::models::{Member, ModelTable, Served, ServedModel, Spec};
+        use crate::fleet::backend::Backend;
+        use crate::fleet::models::{Member, ModelTable, Served, ServedModel, Spec};
         use std::sync::Arc;
         let urls = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"];
         let fleet = Fleet {

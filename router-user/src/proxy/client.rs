@@ -14,7 +14,7 @@ use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{self, BodyFraming, RequestHead};
 use crate::proxy::budget;
 use crate::proxy::io::{Read, read_more, write_all};
-use crate::router::PromptBlocks;
+use crate::shared::PromptBlocks;
 
 /// Buffers that grew past this for one large request are given back after it,
 /// so idle connections stay small.

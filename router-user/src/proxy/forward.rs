@@ -13,15 +13,15 @@ use tracing::{debug, info};
 
 use crate::config::{Config, ms};
 use crate::error::{Kind, Resend, RouterError};
+use crate::fleet::backend::{Backend, InFlight};
+use crate::fleet::feedback::{Usage, UsageScanner};
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{BodyFraming, RequestHead};
 use crate::http::response::{self, ResponseFraming};
+use crate::policy::select::Decision;
 use crate::proxy::client::{Body, ClientConn, Request};
 use crate::proxy::io::{Read, read_more, write_all, write_head_and_body, write_range};
 use crate::proxy::pool::{BackendConn, Pool};
-use crate::route::backend::{Backend, InFlight};
-use crate::route::feedback::{Usage, UsageScanner};
-use crate::route::select::Decision;
 
 /// Bodies up to this size are copied behind the head and sent in one
 /// `send`; a larger one is not copied: head and body go in one `writev`
@@ -48,8 +48,8 @@ pub struct Attempt<'a> {
     /// How many of them another backend held too (the rest is private:
     /// a conversation's history).
     pub shared_blocks: u32,
-    /// How many of them every eligible backend held.
-    pub everywhere_blocks: u32,
+    /// Blocks it is predicted to prefill (`Choice::prefill_blocks`).
+    pub prefill_blocks: u32,
     pub decision: Decision,
     /// Only a fresh connection (a pooled one just failed).
     pub fresh_only: bool,

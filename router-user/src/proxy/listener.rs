@@ -16,7 +16,7 @@ use crate::error::{Kind, RouterError};
 use crate::proxy::conn;
 use crate::proxy::io::write_all;
 use crate::proxy::worker::Worker;
-use crate::router::Router;
+use crate::shared::Router;
 
 /// Submission queue entries per worker ring.
 const RING_ENTRIES: u32 = 4096;

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 use monoio::net::TcpStream;
 use tracing::info;
 
-use crate::route::MAX_BACKENDS;
-use crate::route::backend::{Backend, ConnCount};
+use crate::fleet::MAX_BACKENDS;
+use crate::fleet::backend::{Backend, ConnCount};
 
 /// A connection to a backend; counted in the backend's open connections
 /// while it lives.

@@ -9,14 +9,14 @@ use tracing::warn;
 
 use crate::config::{Config, ms};
 use crate::error::{Kind, Resend, RouterError};
+use crate::fleet::backend::Backend;
+use crate::fleet::models::ModelStats;
 use crate::proxy::api;
 use crate::proxy::client::{Body, ClientConn, Request};
 use crate::proxy::forward::{self, Attempt, Failure};
 use crate::proxy::io::write_all;
 use crate::proxy::worker::Worker;
-use crate::route::models::ModelStats;
-use crate::route::select::SHARED_MIN_BLOCKS;
-use crate::router::{RouteQuery, Routed};
+use crate::shared::{RouteQuery, Routed};
 
 /// How often a request queued for room under `limits.max_in_flight_per_backend`
 /// checks the backends' in-flight counters (atomic loads; it routes again only
@@ -51,18 +51,14 @@ pub async fn handle(
     }
     let deadline = Instant::now() + ms(cfg.timeouts.queue_ms);
     let mut head_finished = false;
-    // Sends so far, the reason for the next one, and whether the first paid
-    // into the retry budget; kept across re-routing after slot races.
-    let mut attempts = 0;
-    let mut resend: Option<Resend> = None;
-    let mut deposited = false;
+    let mut tries = Tries::default();
     loop {
         let started = Instant::now();
         let mut routed = route_once(worker, c, req)?;
         // The router's own time: from the request read to the first
         // decision, plus each decision again after waiting; the wait itself
         // is the queue's.
-        let mut routing = if attempts == 0 {
+        let mut routing = if tries.attempts == 0 {
             req.read_at.elapsed()
         } else {
             started.elapsed()
@@ -100,77 +96,141 @@ pub async fn handle(
             forward::finish_request_head(c, req.head, req.body);
             head_finished = true;
         }
-        // Every send counts toward `retry.max_attempts` and, after the
-        // first, takes a token from the retry budget: a re-send is only ever
-        // of a request no backend can have processed (see `forward`).
-        let mut last = None;
-        let mut full = false;
+        tries.new_round();
         let mut i = 0;
-        let mut fresh_only = false;
-        while i < routed.choice.len && attempts < cfg.retry.max_attempts {
-            if let Some(reason) = resend {
-                if !router.retry_budget.withdraw() {
-                    warn!(
-                        reason = reason.name(),
-                        "retry budget spent: not re-sending (retry.budget_percent)"
-                    );
-                    break;
-                }
-            } else if !deposited {
-                router.retry_budget.deposit();
-                deposited = true;
+        while i < routed.choice.len && tries.attempts < cfg.retry.max_attempts {
+            if !tries.may_send(worker) {
+                break;
             }
             let pos = usize::from(routed.choice.candidates[i]);
             let backend = routed.fleet.backends[pos].clone();
-            let (matched, shared, everywhere) = if i == 0 {
-                let c = &routed.choice;
-                (c.matched_blocks, c.shared_blocks, c.everywhere_blocks)
+            let prompt_blocks = c.blocks.hashes.len() as u32;
+            // Routing predicted the first candidate's work; a fallback is
+            // sent the whole prompt as far as the router knows.
+            let at = if i == 0 {
+                let ch = &routed.choice;
+                Attempt {
+                    backend: &backend,
+                    matched_blocks: ch.matched_blocks,
+                    shared_blocks: ch.shared_blocks,
+                    prefill_blocks: ch.prefill_blocks,
+                    decision: ch.decision,
+                    fresh_only: tries.fresh_only,
+                }
             } else {
-                (0, 0, 0)
-            };
-            let at = Attempt {
-                backend: &backend,
-                matched_blocks: matched,
-                shared_blocks: shared,
-                everywhere_blocks: everywhere,
-                decision: routed.choice.decision,
-                fresh_only,
+                Attempt {
+                    backend: &backend,
+                    matched_blocks: 0,
+                    shared_blocks: 0,
+                    prefill_blocks: prompt_blocks,
+                    decision: routed.choice.decision,
+                    fresh_only: tries.fresh_only,
+                }
             };
             let sent = attempt(worker, cfg, c, req, &at, &routed.model).await;
-            if !matches!(sent, Err(Failure::Full))
-                && let Some(reason) = resend.take()
-            {
-                router.metrics.resent(reason);
-            }
-            match sent {
-                Ok(close) => return Ok(close),
-                Err(Failure::Retry(e, reason)) => {
-                    attempts += 1;
-                    warn!(backend = %backend.url, attempts, reason = reason.name(), error = %e, "attempt failed before the backend could have processed the request; it may be sent again");
-                    resend = Some(reason);
-                    // A stale pooled connection: the same backend, on a fresh one.
-                    fresh_only = reason == Resend::StalePooled;
-                    if !fresh_only {
-                        i += 1;
-                    }
-                    last = Some(e);
-                }
-                Err(Failure::Answer(e) | Failure::Unanswered(e)) => return Err(e),
-                Err(Failure::BrokeMidStream(_) | Failure::ClientGone) => return Ok(true),
-                Err(Failure::Full) => {
-                    full = true;
-                    i += 1;
-                }
+            match tries.after(worker, &backend, sent) {
+                Next::Done(result) => return result,
+                Next::SameBackend => {}
+                Next::OtherCandidate => i += 1,
             }
         }
-        match last {
+        match tries.last.take() {
             // Lost every slot race: queue again while `queue_ms` lasts.
-            None if full && Instant::now() < deadline => continue,
-            None if full => return Err(at_limit(cfg)),
+            None if tries.full && Instant::now() < deadline => continue,
+            None if tries.full => return Err(at_limit(cfg)),
             last => {
                 return Err(last.unwrap_or_else(|| {
                     RouterError::new(Kind::BadGateway, "no backend could be reached")
                 }));
+            }
+        }
+    }
+}
+
+/// The retry state of one request, kept across re-routing after slot
+/// races: sends so far, the reason for the next one, whether the first
+/// paid into the retry budget, and how the last round ended.
+#[derive(Default)]
+struct Tries {
+    /// Sends that failed before the backend could have processed them;
+    /// each counts toward `retry.max_attempts`.
+    attempts: usize,
+    /// Why the next send is a re-send (none before the first failure).
+    resend: Option<Resend>,
+    /// The first send paid into the retry budget.
+    deposited: bool,
+    /// The next send takes a fresh connection (a pooled one just failed).
+    fresh_only: bool,
+    /// Some candidate of this round was at its in-flight limit.
+    full: bool,
+    /// The last re-sendable failure, answered when no send is left.
+    last: Option<RouterError>,
+}
+
+/// What `handle` does after one send.
+enum Next {
+    /// Answer the client: `Ok(close)` or the error.
+    Done(Result<bool, RouterError>),
+    /// Send again to the same backend (on a fresh connection).
+    SameBackend,
+    OtherCandidate,
+}
+
+impl Tries {
+    /// Whether another send may go: the first pays into the retry budget,
+    /// a re-send takes a token from it (a re-send is only ever of a request
+    /// no backend can have processed; see `forward`).
+    fn may_send(&mut self, worker: &Worker) -> bool {
+        let budget = &worker.router.retry_budget;
+        if let Some(reason) = self.resend {
+            if !budget.withdraw() {
+                warn!(
+                    reason = reason.name(),
+                    "retry budget spent: not re-sending (retry.budget_percent)"
+                );
+                return false;
+            }
+        } else if !self.deposited {
+            budget.deposit();
+            self.deposited = true;
+        }
+        true
+    }
+
+    /// A round over a fresh ranking (after lost slot races) starts on
+    /// pooled connections and with no candidate known full.
+    fn new_round(&mut self) {
+        self.full = false;
+        self.fresh_only = false;
+    }
+
+    /// Takes in one send's outcome.
+    fn after(&mut self, worker: &Worker, backend: &Backend, sent: Result<bool, Failure>) -> Next {
+        if !matches!(sent, Err(Failure::Full))
+            && let Some(reason) = self.resend.take()
+        {
+            worker.router.metrics.resent(reason);
+        }
+        match sent {
+            Ok(close) => Next::Done(Ok(close)),
+            Err(Failure::Retry(e, reason)) => {
+                self.attempts += 1;
+                let attempts = self.attempts;
+                warn!(backend = %backend.url, attempts, reason = reason.name(), error = %e, "attempt failed before the backend could have processed the request; it may be sent again");
+                self.resend = Some(reason);
+                self.fresh_only = reason == Resend::StalePooled;
+                self.last = Some(e);
+                if self.fresh_only {
+                    Next::SameBackend
+                } else {
+                    Next::OtherCandidate
+                }
+            }
+            Err(Failure::Answer(e) | Failure::Unanswered(e)) => Next::Done(Err(e)),
+            Err(Failure::BrokeMidStream(_) | Failure::ClientGone) => Next::Done(Ok(true)),
+            Err(Failure::Full) => {
+                self.full = true;
+                Next::OtherCandidate
             }
         }
     }
@@ -191,18 +251,9 @@ async fn attempt(
     let router = &worker.router;
     let backend = at.backend;
     let prompt_blocks = c.blocks.hashes.len() as u32;
-    // What it will prefill: the blocks it lacks, and (with
-    // `prefix.expect_lost_history`) the share of a private lead its answers
-    // say it loses by the next turn, as selection predicted it, so the
-    // queue ahead of later requests counts it too.
-    let lead = if cfg.prefix.expects_lost_history() && at.everywhere_blocks >= SHARED_MIN_BLOCKS {
-        at.matched_blocks.saturating_sub(at.shared_blocks)
-    } else {
-        0
-    };
-    let uncached = prompt_blocks.saturating_sub(at.matched_blocks)
-        + ((1.0 - backend.feedback.private_kept()).clamp(0.0, 1.0) * f64::from(lead)).round()
-            as u32;
+    // What it will prefill, as selection predicted it, so the queue ahead
+    // of later requests counts it too.
+    let uncached = at.prefill_blocks;
     // Prefill work ahead of this request, for learning the engine's rate.
     let queued_ahead = backend.load.queued_prefill_blocks();
     // Routing saw room, but workers route concurrently: admission holds the

@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 
 use crate::proxy::pool::Pool;
-use crate::router::{RouteScratch, Router};
+use crate::shared::{RouteScratch, Router};
 
 /// Body buffers (and the worker's parse scratch) over this are given back
 /// to the system after their request: rare uploads this large must not keep

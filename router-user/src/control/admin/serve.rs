@@ -19,7 +19,7 @@ use super::{Reloader, Reply, Request, handle};
 use crate::config::{Config, ms};
 use crate::http::MAX_HEADERS;
 use crate::http::chunked::ChunkedDecoder;
-use crate::router::Router;
+use crate::shared::Router;
 
 /// Admin connections served at once. Operators' calls are rare and short;
 /// past this a new connection is answered 503 and closed at once, so a pile

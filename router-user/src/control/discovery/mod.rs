@@ -27,7 +27,7 @@ use tracing::{error, info, warn};
 use crate::config::discovery::DiscoveryConfig;
 use crate::config::ms;
 use crate::control::membership::Membership;
-use crate::router::Router;
+use crate::shared::Router;
 
 /// Longest sleep between two looks at the configuration: a reload that
 /// adds a source is seen within this.
@@ -208,7 +208,6 @@ fn run(router: &Router, membership: &Membership, rt: &tokio::runtime::Runtime) {
 
 /// One answer of source `key`: state, logs, metrics, and the fleet when
 /// its list changed.
-#[allow(clippy::too_many_arguments)]
 fn handle(
     router: &Router,
     membership: &Membership,

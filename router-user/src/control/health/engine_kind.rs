@@ -1,4 +1,4 @@
-//! Which cache model a backend gets (`route::slots`): the config's word
+//! Which cache model a backend gets (`fleet::slots`): the config's word
 //! (`[[backends]] engine`, `slots`, else `prefix.engine`), or, for `auto`,
 //! what the engine answers. llama.cpp's `llama-server` answers `GET /props`
 //! with its `total_slots`; vLLM, SGLang and the simulated engine answer it
@@ -10,9 +10,9 @@ use std::time::Duration;
 use tracing::{info, warn};
 
 use super::probe;
-use crate::route::backend::Backend;
-use crate::route::slots::{EngineKind, parse_total_slots};
-use crate::router::Router;
+use crate::fleet::backend::Backend;
+use crate::fleet::slots::{EngineKind, parse_total_slots};
+use crate::shared::Router;
 
 /// Sets `b`'s slot model from the config or its `/props` (one GET within
 /// `timeout`). A failed lookup leaves it a block cache; the next time the

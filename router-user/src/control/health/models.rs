@@ -9,7 +9,7 @@
 //!   string `id`): nothing new is believed: the last good list stays (a
 //!   backend never listed stays unknown), with a warning;
 //! - a status other than 2xx (an engine without the endpoint): its models
-//!   are unknown, so it serves any model as a fallback (`route::models`);
+//!   are unknown, so it serves any model as a fallback (`fleet::models`);
 //! - no answer (connect error, timeout): nothing changes; health decides.
 
 use std::sync::Arc;
@@ -19,9 +19,9 @@ use tracing::{info, warn};
 
 use super::probe;
 use crate::config::Config;
-use crate::route::backend::{Backend, Fleet};
-use crate::route::models::{Served, ServedModel};
-use crate::router::Router;
+use crate::fleet::backend::{Backend, Fleet};
+use crate::fleet::models::{Served, ServedModel};
+use crate::shared::Router;
 
 /// The path every OpenAI-compatible engine lists its models on.
 const MODELS_PATH: &str = "/v1/models";

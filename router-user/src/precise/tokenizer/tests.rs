@@ -1,6 +1,6 @@
 use super::*;
 use crate::precise::keys::{TokenScratch, engine_tokens};
-use crate::route::extract::Endpoint;
+use crate::prompt::extract::Endpoint;
 
 use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;

@@ -24,8 +24,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering:
 
 use memchr::memmem;
 
-use crate::route::index::{AGE_UNKNOWN, anchor_after, anchor_of};
-use crate::route::select::SHARED_MIN_BLOCKS;
+use crate::fleet::index::{AGE_UNKNOWN, anchor_after, anchor_of};
+use crate::policy::select::SHARED_MIN_BLOCKS;
 
 /// Bytes kept from the end of one read so a key split across two reads is
 /// still found: a key (15 bytes), a colon, spaces and a 10-digit number.
@@ -713,7 +713,7 @@ mod tests {
     fn observe_lru(f: &Feedback, keeps: u64, seed: u64) {
         let mut rng = seed;
         for _ in 0..400 {
-            rng = crate::route::select::mix(rng);
+            rng = crate::policy::select::mix(rng);
             let a = ages(rng % 3000);
             let held = a.iter().take_while(|&&x| x < keeps).count() as u32;
             let u = Usage {
@@ -806,7 +806,7 @@ mod tests {
         // A long prompt's ages as the index gives them: known at anchors
         // only past its head, growing along the prompt. The engine held 600
         // of 800 blocks.
-        use crate::route::index::is_anchor;
+        use crate::fleet::index::is_anchor;
         let ages: Vec<u64> = (0..800u64)
             .map(|i| {
                 if is_anchor(i as usize) {

@@ -3,7 +3,7 @@
 //!
 //! A word has [`LANES`] lanes of 16 bits: 0 is an empty lane, else the low
 //! 15 bits are `backend + 1` and the top bit is that backend's referenced
-//! bit (the CLOCK second chance of `route::index`). A block is held by few
+//! bit (the CLOCK second chance of `fleet::index`). A block is held by few
 //! backends at once (a conversation lives on one engine, a shared system
 //! prompt on the few it was replicated to), so a handful of lanes per block
 //! replaces a bit per backend: memory per block no longer grows with the
@@ -24,10 +24,10 @@ const REF: u64 = 1 << 15;
 /// The id bits of a lane (`backend + 1`).
 const ID: u64 = REF - 1;
 
-/// Backends a lane can name (`route::MAX_BACKENDS` must not exceed it).
+/// Backends a lane can name (`fleet::MAX_BACKENDS` must not exceed it).
 pub const MAX_ID: usize = ID as usize - 1;
 
-const _: () = assert!(crate::route::MAX_BACKENDS <= MAX_ID + 1);
+const _: () = assert!(crate::fleet::MAX_BACKENDS <= MAX_ID + 1);
 
 #[inline]
 fn lane(word: u64, k: usize) -> u64 {
@@ -160,11 +160,11 @@ pub fn take_referenced(a: &AtomicU64, backend: usize) -> bool {
 
 /// A set of backends by slot, a bit each: the candidates of a lookup.
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub struct BackendSet([u64; crate::route::MAX_BACKENDS.div_ceil(64)]);
+pub struct BackendSet([u64; crate::fleet::MAX_BACKENDS.div_ceil(64)]);
 
 impl Default for BackendSet {
     fn default() -> Self {
-        BackendSet([0; crate::route::MAX_BACKENDS.div_ceil(64)])
+        BackendSet([0; crate::fleet::MAX_BACKENDS.div_ceil(64)])
     }
 }
 
@@ -176,12 +176,12 @@ impl std::fmt::Debug for BackendSet {
 
 impl BackendSet {
     /// Every slot.
-    pub const ALL: BackendSet = BackendSet([u64::MAX; crate::route::MAX_BACKENDS.div_ceil(64)]);
+    pub const ALL: BackendSet = BackendSet([u64::MAX; crate::fleet::MAX_BACKENDS.div_ceil(64)]);
 
     /// Backends `0..n`.
     pub fn first(n: usize) -> BackendSet {
         let mut s = BackendSet::default();
-        for b in 0..n.min(crate::route::MAX_BACKENDS) {
+        for b in 0..n.min(crate::fleet::MAX_BACKENDS) {
             s.insert(b);
         }
         s

@@ -1,6 +1,6 @@
 use super::*;
-use crate::route::extract::Extractor;
-use crate::route::hash::{block_hashes, block_hashes_pieces};
+use crate::prompt::extract::Extractor;
+use crate::prompt::hash::{block_hashes, block_hashes_pieces};
 use proptest::prelude::*;
 use serde_json::{Value, json};
 

@@ -11,25 +11,25 @@ use tracing::{info, warn};
 
 use crate::config::{BackendConfig, Config, backend_addr};
 use crate::error::RouterError;
+use crate::fleet::MAX_BACKENDS;
+use crate::fleet::backend::{Backend, Fleet};
+use crate::fleet::feedback::{Correction, Usage};
+use crate::fleet::index::{Matches, PrefixIndex};
+use crate::fleet::models::{self, Member, ModelStats, Models, Served};
+use crate::fleet::owners::BackendSet;
 use crate::metrics::{Metrics, Sources};
+use crate::policy::select::{self, BackendLoad, Choice, Policy, RouteInput};
 use crate::precise::Precise;
 use crate::precise::subscriber::Subscriber;
-use crate::route::MAX_BACKENDS;
-use crate::route::backend::{Backend, Fleet};
-use crate::route::extract::Endpoint;
-use crate::route::feedback::{Correction, Usage};
-use crate::route::hash::{block_hashes_pieces, cold_key};
-use crate::route::index::{Matches, PrefixIndex};
-use crate::route::models::{self, Member, ModelStats, Models, Served};
-use crate::route::owners::BackendSet;
-use crate::route::scan::{Canonical, scan};
-use crate::route::select::{self, BackendLoad, Choice, Policy, RouteInput};
+use crate::prompt::extract::Endpoint;
+use crate::prompt::hash::{block_hashes_pieces, cold_key};
+use crate::prompt::scan::{Canonical, scan};
 
 pub struct Router {
     pub config: Arc<ArcSwap<Config>>,
     pub fleet: Arc<ArcSwap<Fleet>>,
     pub index: Arc<PrefixIndex>,
-    /// Which backend serves which model (`route::models`).
+    /// Which backend serves which model (`fleet::models`).
     pub models: Arc<Models>,
     pub metrics: Metrics,
     /// Round-robin counter and random stream.
@@ -597,7 +597,7 @@ fn member(b: &Backend, served: Served) -> Member<'_> {
     }
 }
 
-/// Slots over the fleet's slot engines (liveness in `route::slots` is
+/// Slots over the fleet's slot engines (liveness in `fleet::slots` is
 /// measured against it).
 fn fleet_slots(fleet: &Fleet) -> usize {
     fleet.backends.iter().map(|b| b.slots.count()).sum()

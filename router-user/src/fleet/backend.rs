@@ -8,10 +8,10 @@ use std::sync::{Arc, Mutex};
 
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::route::feedback::Feedback;
-use crate::route::owners::BackendSet;
-use crate::route::select::BackendLoad;
-use crate::route::slots::SlotCache;
+use crate::fleet::feedback::Feedback;
+use crate::fleet::owners::BackendSet;
+use crate::fleet::slots::SlotCache;
+use crate::policy::select::BackendLoad;
 
 /// One inference server.
 #[derive(Debug)]
@@ -525,7 +525,7 @@ pub struct InFlight {
 }
 
 impl InFlight {
-    /// The request runs in this slot of a slot engine (`route::slots`):
+    /// The request runs in this slot of a slot engine (`fleet::slots`):
     /// it is freed when the guard drops, however the attempt ends.
     pub fn hold_slot(&mut self, slot: Option<usize>) {
         self.slot = slot;

@@ -102,7 +102,7 @@ pub struct BackendLoad {
     pub private_lost: f32,
     /// Slot engines: the cost in blocks of the slot this request would take
     /// there (a live conversation's blocks it overwrites, the wait when
-    /// every slot is running; `route::slots`); 0 elsewhere.
+    /// every slot is running; `fleet::slots`); 0 elsewhere.
     pub evict_cost_blocks: f32,
 }
 
@@ -230,6 +230,11 @@ pub struct Choice {
     pub everywhere_blocks: u32,
     /// The `prefix` policy chose at the full-cache bounds.
     pub full_cache: bool,
+    /// Blocks the first candidate is predicted to prefill: those it lacks,
+    /// plus the share of its private lead its answers say it loses
+    /// (`BackendLoad::private_lost`), as its score counted them. Admission
+    /// queues this much prefill on it, so later requests see it too.
+    pub prefill_blocks: u32,
 }
 
 impl Choice {
@@ -240,6 +245,21 @@ impl Choice {
     pub fn first(&self) -> Option<usize> {
         self.iter().next()
     }
+}
+
+/// What the first candidate will prefill: the blocks it lacks and, when it
+/// is the longest holder of a prompt whose start every eligible backend
+/// holds, the share of its private lead it is expected to have lost (the
+/// `lost_blocks` of its score).
+fn first_prefill(input: &RouteInput, first: &BackendLoad, choice: &Choice) -> u32 {
+    let m = choice.matched_blocks;
+    let lead = if choice.everywhere_blocks >= SHARED_MIN_BLOCKS {
+        m.saturating_sub(choice.shared_blocks)
+    } else {
+        0
+    };
+    let lost = f64::from(first.private_lost).clamp(0.0, 1.0) * f64::from(lead);
+    input.blocks.saturating_sub(m) + lost.round() as u32
 }
 
 /// Picks backends for one request. Returns an empty choice when no backend is
@@ -258,6 +278,7 @@ pub fn select(
         shared_blocks: 0,
         everywhere_blocks: 0,
         full_cache: false,
+        prefill_blocks: 0,
     };
     let eligible = loads.iter().filter(|l| l.eligible).count();
     if eligible == 0 {
@@ -293,6 +314,7 @@ pub fn select(
         .map(|(_, (_, &m))| m)
         .max()
         .unwrap_or(0);
+    choice.prefill_blocks = first_prefill(input, &loads[first], &choice);
     // Fallbacks for retries: rendezvous order of the other eligible backends.
     fill_fallbacks(&mut choice, loads, input.cold_key);
     choice

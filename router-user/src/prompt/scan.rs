@@ -11,8 +11,8 @@
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::{Kind, RouterError};
-use crate::route::extract::{Endpoint, MESSAGE_START, Prompt, ROLE_END};
-use crate::route::hash::namespace_seed;
+use crate::prompt::extract::{Endpoint, MESSAGE_START, Prompt, ROLE_END};
+use crate::prompt::hash::namespace_seed;
 
 /// One piece of the canonical prompt.
 #[derive(Clone, Copy, Debug)]

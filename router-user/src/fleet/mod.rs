@@ -1,8 +1,8 @@
-//! What the router knows and decides, with no sockets, no configuration file
-//! and no metrics: the prompt's prefix blocks (extract, hash), which backend
-//! holds which (index), what the engines' answers taught (feedback), the
-//! fleet's live facts (backend), what each slot of a llama.cpp-like engine
-//! holds (slots) and the ranking of backends (select).
+//! What each backend holds and has taught: which blocks were sent where
+//! (`index`, named by `owners`), the backends' live facts (`backend`), which
+//! backend serves which model (`models`), what each slot of a llama.cpp-like
+//! engine holds (`slots`) and what the engines' answers taught (`feedback`).
+//! No sockets, no configuration file, no metrics.
 
 /// The most backends a fleet holds over all pools: every per-backend table
 /// (index rings, connection pools, confidence, model generations) has this
@@ -11,12 +11,8 @@
 pub const MAX_BACKENDS: usize = 1024;
 
 pub(crate) mod backend;
-pub mod extract;
 pub(crate) mod feedback;
-pub mod hash;
 pub mod index;
 pub mod models;
 pub mod owners;
-pub mod scan;
-pub mod select;
 pub mod slots;

@@ -2,7 +2,7 @@
 //!
 //! One table shared by every worker thread. Readers take no lock: a slot is
 //! atomics (block hash, two words of owner lanes with their referenced bits,
-//! see `route::owners`, and who was sent it last). Writers
+//! see `fleet::owners`, and who was sent it last). Writers
 //! serialise per backend on a small mutex that guards that backend's
 //! eviction ring. Each backend tracks at most its KV capacity in blocks and
 //! forgets its least recently used blocks first (CLOCK, an approximation of
@@ -38,8 +38,8 @@ use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Mutex, OnceLock};
 
-use crate::route::MAX_BACKENDS;
-use crate::route::owners::{self, Added, BackendSet, LANES};
+use crate::fleet::MAX_BACKENDS;
+use crate::fleet::owners::{self, Added, BackendSet, LANES};
 use search::Probes;
 
 /// A block [`PrefixIndex::longest_matches_noting`] found no slot for.
@@ -65,7 +65,7 @@ pub const OWNERS: usize = OWNER_WORDS * LANES;
 
 struct Slot {
     key: AtomicU64,
-    /// Who holds the block, with their referenced bits (`route::owners`).
+    /// Who holds the block, with their referenced bits (`fleet::owners`).
     owners: [AtomicU64; OWNER_WORDS],
     /// When the block was last sent, as `backend << 48 | that backend's
     /// clock (blocks sent) then` (see [`PrefixIndex::insert_aging`]); 0 = never.

@@ -27,8 +27,8 @@ use std::sync::{Mutex, MutexGuard};
 use arc_swap::ArcSwap;
 
 use crate::error::{Kind, RouterError};
-use crate::route::MAX_BACKENDS;
-use crate::route::select::{BackendLoad, Policy};
+use crate::fleet::MAX_BACKENDS;
+use crate::policy::select::{BackendLoad, Policy};
 
 /// Words of a [`SlotSet`].
 const SLOT_WORDS: usize = MAX_BACKENDS.div_ceil(64);

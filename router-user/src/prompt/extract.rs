@@ -16,7 +16,7 @@ use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::error::{Kind, RouterError};
-use crate::route::hash::namespace_seed;
+use crate::prompt::hash::namespace_seed;
 
 /// Record separator before each message of a chat.
 pub(crate) const MESSAGE_START: u8 = 0x1e;

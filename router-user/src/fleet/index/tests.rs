@@ -1,12 +1,12 @@
 use super::*;
-use crate::route::owners::{self, BackendSet};
+use crate::fleet::owners::{self, BackendSet};
 use proptest::prelude::*;
 use std::collections::HashMap;
 
 /// Block hashes as the hasher makes them: uniformly spread, never 0.
 fn chain(start: u64, n: usize) -> Vec<u64> {
     (0..n as u64)
-        .map(|i| crate::route::select::mix(start.wrapping_mul(1_000_003).wrapping_add(i)) | 1)
+        .map(|i| crate::policy::select::mix(start.wrapping_mul(1_000_003).wrapping_add(i)) | 1)
         .collect()
 }
 
@@ -704,7 +704,7 @@ fn stack_distances(shared: bool) {
     };
     let (mut rng, mut ages, mut checked, mut uses) = (7u64, Vec::new(), 0, 0usize);
     for step in 0..3_000u64 {
-        rng = crate::route::select::mix(rng);
+        rng = crate::policy::select::mix(rng);
         let c = (rng % 40) as usize;
         if convs[c].len() > 200 {
             convs[c].clear();
