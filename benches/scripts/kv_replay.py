@@ -7,7 +7,7 @@ a request reserves its prompt plus max_tokens at admission and waits FIFO on
 its engine until they fit; free blocks are evicted least recently used
 first; a finished request's output blocks stay cached. A request arrives at
 its recorded start and holds its blocks for its recorded duration, so the
-timing is the recorded run's. On the records of issue 9's scenarios it
+timing is the recorded run's. On the records of the named scenarios it
 reproduces the engines' reported hit rates within about one point.
 
     python3 benches/scripts/kv_replay.py RECORD.jsonl --kv-blocks 1151

@@ -5,7 +5,7 @@ over the routed requests). Zero-cost sim-engines publishing KV events, 4
 engines of 160 blocks, 32 conversations in 8 system-prompt groups, 8 turns,
 turns of all conversations interleaved: cache pressure, no load effects.
 
-A one-off measurement until prefix-bench has a precise front (issue 10):
+A one-off measurement until prefix-bench has a precise front:
     cargo build -p router-user --bin prefix-router -p router-tests --bin sim-engine
     python3 benches/scripts/precise_spread.py [BIN_DIR]
 """

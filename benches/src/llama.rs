@@ -96,7 +96,7 @@ pub struct LlamaRow {
 pub struct LlamaResults {
     pub cfg: LlamaCfg,
     pub rows: Vec<LlamaRow>,
-    /// The issue-14 target, seed by seed.
+    /// The llama.cpp target, seed by seed.
     pub checks: Vec<(String, bool)>,
 }
 
@@ -308,7 +308,7 @@ fn write_records(path: &Path, records: &[Record]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Issue 14's target per seed: prefix's hit rate at least 10 points above
+/// The llama.cpp target per seed: prefix's hit rate at least 10 points above
 /// round-robin's, its TTFT p50 and p90 below round-robin's and
 /// least-request's.
 pub fn checks(rows: &[LlamaRow], seeds: &[u64]) -> Vec<(String, bool)> {
@@ -403,7 +403,7 @@ fn markdown(r: &LlamaResults, t: &Table) -> String {
         c.requests
     );
     let _ = writeln!(m, "{}", t.markdown());
-    let _ = writeln!(m, "## Targets (issue 14)\n");
+    let _ = writeln!(m, "## Targets\n");
     for (c, ok) in &r.checks {
         let _ = writeln!(m, "- {} {c}", if *ok { "PASS" } else { "FAIL" });
     }

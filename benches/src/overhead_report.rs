@@ -1,4 +1,4 @@
-//! Issue 13's targets, checked on the overhead bench's rows: the router
+//! The overhead targets, checked on the overhead bench's rows: the router
 //! against nginx in front of the same engines, in the same run.
 
 use crate::overhead::{OverheadResults, Row};
@@ -12,10 +12,10 @@ const TINY_RPS: f64 = 1.3;
 const LONG_CPU: f64 = 1.5;
 /// Added p50 latency of a long prompt, at most nginx's plus this.
 const LONG_ADDED_US: f64 = 100.0;
-/// Prompts this long or longer are issue 13's long prompts.
+/// Prompts this long or longer are long prompts for the targets.
 const LONG_KB: usize = 64;
 
-/// Checks issue 13's targets on the rows present (a run without nginx, or
+/// Checks the overhead targets on the rows present (a run without nginx, or
 /// without a phase, checks nothing for it).
 pub fn check_overhead_targets(o: &OverheadResults, c: &mut Vec<Check>) {
     let pair = |phase: &str, conc: usize| -> Option<(&Row, &Row)> {
@@ -167,10 +167,10 @@ mod tests {
         c.into_iter().map(|c| (c.target, c.met)).collect()
     }
 
-    /// Session 18's nine-round medians: every target met but the tiny
+    /// A run's nine-round medians: every target met but the tiny
     /// throughput (1.26x nginx's), and the 4 KB prompt is not checked.
     #[test]
-    fn session_18_s_run_misses_only_the_tiny_throughput() {
+    fn a_nine_round_run_misses_only_the_tiny_throughput() {
         let o = results(vec![
             row("tiny", 64, R, 64_269.0, 2_353.0, 13.8, 294.0),
             row("tiny", 64, "nginx", 50_841.0, 2_519.0, 18.6, 585.0),

@@ -1,11 +1,10 @@
 //! What one cache pooled from the whole fleet's blocks would have hit on a
 //! recorded trace: the same requests at the same times, on one engine with
-//! every engine's KV blocks and no placement at all. A reference for
-//! issue 9's hit-rate target: the pool keeps each system prompt once where
-//! separate caches keep a copy on each engine that serves it, and in the
-//! replays of sessions 6, 13 and 14 (BENCHMARKS.md) the best assignment of
-//! whole system prompts to engines came within half a point of the pool
-//! or under it.
+//! every engine's KV blocks and no placement at all. A reference for the
+//! hit-rate target under pressure: the pool keeps each system prompt once
+//! where separate caches keep a copy on each engine that serves it, and in
+//! the replays of decision 0041 the best assignment of whole system
+//! prompts to engines came within half a point of the pool or under it.
 //!
 //! The cache is the sim-engine's own ([`KvCache`]: vLLM's block pool, LRU
 //! free list, a released request's tail evicted first) and the rest is

@@ -1,5 +1,5 @@
 //! The quality bench's part of the report: the rows of each scenario, the
-//! scenarios against the peer routers side by side, and issue 9's targets.
+//! scenarios against the peer routers side by side, and the placement targets.
 
 use crate::quality::QualityRow;
 use crate::report::{BenchResults, Check, Table, pct};
@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 pub const PEERS_NOTE: &str = "Peer routers: sglang-router 0.3.2, vllm-router 0.1.17 and smg 1.13.0 from PyPI, each with its `cache_aware` policy and defaults otherwise (smg with `--worker-warmup-secs 0` and `--disable-tokenizer-autoload`), on the same engines and the same traffic (same seed), the whole run inside a network namespace with only loopback. The engines answer vLLM's `/tokenize` and render endpoints, so vllm-router routes on the real token ids. TTFT is the first streamed content event; the client acknowledges at once (TCP_QUICKACK), which keeps sglang-router's Nagle/delayed-ACK stall (+40 ms on a reused connection) out of the figures.";
 
 impl BenchResults {
-    /// Issue 9's targets, on the rows that ran: against the best peer under
+    /// The placement targets, on the rows that ran: against the best peer under
     /// memory pressure, and against round-robin on the hot prompt.
     pub(crate) fn check_placement_targets(&self, c: &mut Vec<Check>) {
         let row = |sc: &str, p: &str| {

@@ -1,5 +1,5 @@
 //! The bench's results: one JSON file and one Markdown report per run, the
-//! issue's targets checked, and a comparison against a previous results file.
+//! project's targets checked, and a comparison against a previous results file.
 
 use crate::micro::MicroRow;
 use crate::overhead::OverheadResults;
@@ -120,7 +120,7 @@ impl Machine {
     }
 }
 
-/// One of the issue's targets, checked.
+/// One of the project's targets, checked.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Check {
     pub target: String,
@@ -185,7 +185,7 @@ impl BenchResults {
                 format!("{:+.0}%", (h / 4.0 - 1.0) * 100.0),
             );
         }
-        // Issue 13: what the router does per request to a long prompt, the
+        // Long prompts: what the router does per request to one, the
         // one-pass scan and the block hashes, on one core.
         if let Some(g) = self
             .micro

@@ -133,7 +133,7 @@ fn named(
     }
 }
 
-/// The named scenarios of issue 9, (a) to (d), then an open-loop one.
+/// The named scenarios, (a) to (d), then an open-loop one.
 pub fn named_scenarios() -> Vec<QualityScenario> {
     let pressure = support_chat(6, 1500);
     let mut open = named(

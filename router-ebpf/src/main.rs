@@ -5,8 +5,8 @@
 //!
 //! Two hooks, one count: `router_xdp` for interfaces with native XDP, and
 //! `router_tc` at TC ingress for the others (`lo`, drivers without XDP),
-//! where generic XDP would copy every packet whole first (ARCHITECTURE.md,
-//! "TC ingress where XDP would be generic").
+//! where generic XDP would copy every packet whole first (decision
+//! 0003, docs/decisions/0003-tc-ingress-where-xdp-would-be-generic.md).
 //!
 //! Both see ingress only; on the router host the backends' packets arrive on
 //! the interface toward them, so a segment whose *source* ip:port is

@@ -204,7 +204,7 @@ pub struct PrefixConfig {
     /// goes where its prompt is, within the balance bound and
     /// `shared_gap`. On: 74.7% against 66.8% on pressure-unpublished and
     /// TTFT p99 472 ms against 785 ms on hot-prompt, side by side
-    /// (BENCHMARKS.md, session 6). Off: the lead alone decides, and the
+    /// (decision 0017). Off: the lead alone decides, and the
     /// balance bound moves conversations.
     pub hold_private: bool,
     /// Block-equivalents of each request in flight for a request with no
@@ -220,9 +220,9 @@ pub struct PrefixConfig {
     /// engine on it costs more than the wait: pressure-unpublished 74.9%
     /// against 70.2% at 4 (TTFT p99 363 against 759 ms), hot-prompt alike
     /// (75.1% against 75.6%, p99 485 against 479 ms), medians of 3 side
-    /// by side (BENCHMARKS.md, session 12). Off, the mean-relative bound
+    /// by side (decision 0018). Off, the mean-relative bound
     /// alone let two engines holding a hot prompt reach 20 in flight
-    /// before a third got it (session 6).
+    /// before a third got it (decision 0017).
     pub shared_gap: u32,
     /// Share of the fleet's KV capacity (published, configured or learned)
     /// in use from which the caches count as full: the bounds are then
@@ -236,7 +236,7 @@ pub struct PrefixConfig {
     /// room from, so prompts kept whole on uneven engines win: 75.5, 75.1
     /// and 75.6% of hits on think-48 and both pressure scenarios against
     /// 71.1, 74.1 and 72.3% at the tight bounds, side by side, with a lower
-    /// TTFT p99 on each (BENCHMARKS.md, session 23).
+    /// TTFT p99 on each (decision 0020).
     pub full_cache_epsilon: f64,
     /// `safety_factor` when the caches are full. 2.5.
     pub full_cache_safety_factor: f64,
@@ -261,18 +261,18 @@ pub struct PrefixConfig {
     /// the request's: later turns leave a busy engine that keeps evicting
     /// their history. Only past a prompt every eligible engine holds
     /// (`policy::select::SHARED_MIN_BLOCKS`), so that the lead it discounts
-    /// is a history and never a prompt's only copy: on by default since
-    /// session 21, when it cut the hot prompt's TTFT p99 from 436 to 238 ms
-    /// (round-robin 422) and lost no hits under pressure (BENCHMARKS.md,
-    /// session 21). Needs `learn_from_answers`.
+    /// is a history and never a prompt's only copy: on by default, as it
+    /// cut the hot prompt's TTFT p99 from 436 to 238 ms
+    /// (round-robin 422) and lost no hits under pressure (decision
+    /// 0025). Needs `learn_from_answers`.
     pub expect_lost_history: bool,
     /// Longest a request waits, in ms, before it is sent to an engine that
     /// is still computing part of the prefix it was predicted to find
     /// there, for another request in flight (0: never waits). Sent at
     /// once, both would compute it (an engine caches a block once it has
     /// computed it); after that request's first token it is a hit. A burst
-    /// of new conversations on one prompt is what waits (BENCHMARKS.md,
-    /// session 14).
+    /// of new conversations on one prompt is what waits (decision
+    /// 0027).
     pub prefill_wait_ms: u64,
     /// How backends' caches are modelled: `auto` (a backend whose `/props`
     /// answers `total_slots`, llama.cpp's, is a slot engine, any other a

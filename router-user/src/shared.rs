@@ -574,7 +574,7 @@ impl Router {
         );
         // What the engine's running requests hold counts toward every age
         // (`Load::pinned_before`), or the capacity learned from the ages
-        // comes out low on a busy engine (BENCHMARKS.md, session 11).
+        // comes out low on a busy engine (decision 0023).
         let answer = backend.feedback.answer_blocks();
         let slot = backend.slot;
         self.index

@@ -181,7 +181,7 @@ fn a_published_capacity_does_not_shrink_what_the_index_remembers() {
     // An engine that publishes room for 64 blocks. The router takes it as
     // the known capacity, but keeps remembering where prompts went past it:
     // cut to 64, the index forgot histories the engines still held and
-    // conversations moved (BENCHMARKS.md, session 12).
+    // conversations moved (decision 0021).
     let engines = SimEngine::fleet(1, &["--time-scale", "0", "--kv-blocks", "64"]);
     let url = engines[0].url();
     let router = Router::spawn(std::slice::from_ref(&url), &["--debug-headers"], "");

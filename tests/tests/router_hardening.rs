@@ -1,5 +1,5 @@
 //! Hardening of the data path against hostile clients and misbehaving
-//! backends (issue 15): slow readers, re-sent requests, the route
+//! backends: slow readers, re-sent requests, the route
 //! allowlist, response framing, the pool across reloads, HTTP/1.0 streams,
 //! the body memory budget and what error answers reveal. Real processes:
 //! the router binary, sim-engines, and fake backends on std::net.

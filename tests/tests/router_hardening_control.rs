@@ -1,4 +1,4 @@
-//! The control plane under misbehaving peers (issue 15): health probes
+//! The control plane under misbehaving peers: health probes
 //! against a backend that trickles its answer or keeps the connection open,
 //! and the admin listener against idle, slow and endless clients; probers
 //! following reloads; and a short `soak --hostile`. Real router and engine

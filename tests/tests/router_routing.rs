@@ -68,13 +68,13 @@ fn conversations_stay_on_their_backend() {
 ///
 /// Medians of five prefix runs: at this pressure (6 system prompts on 4
 /// engines of 400 blocks, engines 500x faster than a GPU) single runs
-/// scatter by several points. The TTFT policy (issue 9) keeps a
+/// scatter by several points. The TTFT policy (decision 0016) keeps a
 /// conversation with its history, and a system prompt with its engine,
 /// over a moderate imbalance, so the request count per engine follows the
 /// random prompt mix (6 prompts on 4 engines alone give 1.33) up to the
 /// policy's in-flight cap (1.5x the mean plus slack, 2.5x once the caches
 /// are full). CI runs measured 1.55-1.80 per run (medians 1.62 and 1.77),
-/// session 23 1.08-1.28 with the full-cache bounds; the bound of 2.0 is what
+/// 1.08-1.28 with the full-cache bounds (decision 0020); the bound of 2.0 is what
 /// "never piles onto one engine" means here: everything on one would be
 /// 4.0, and round-robin gives 1.0.
 #[test]

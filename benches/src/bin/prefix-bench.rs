@@ -106,7 +106,7 @@ struct QualityArgs {
     #[arg(long)]
     time_scale: Option<f64>,
     /// Runs of each router on each scenario, in rounds; the figures are
-    /// medians (issue 9 judges the hot prompt's p99 on a median of three).
+    /// medians (the hot prompt's p99 target is judged on a median of three).
     #[arg(long, default_value_t = 1)]
     repeats: usize,
     /// The command line to quote in the report.

@@ -27,8 +27,8 @@ pub enum XdpMode {
     /// Native (driver) mode only: fastest; veth and most NIC drivers support it.
     Native,
     /// Generic (SKB) XDP only: works on any interface, but the kernel copies
-    /// every packet it sees whole first (ARCHITECTURE.md, "TC ingress where
-    /// XDP would be generic").
+    /// every packet it sees whole first (decision 0003, TC ingress
+    /// where XDP would be generic).
     Skb,
     /// TC ingress only (a classifier on `tcx`, or on a `clsact` qdisc before
     /// kernel 6.6): works on any interface and copies nothing.

@@ -35,7 +35,7 @@ pub struct PreciseConfig {
     /// matches only what it still has, and at 0.5 a block the conversation
     /// leaves for any shorter queue, splitting system prompts over engines
     /// that then evict more: 5.5 points of hits lost on pressure-published
-    /// (BENCHMARKS.md, session 16). 4 keeps it with its prompt's engine.
+    /// (decision 0029). 4 keeps it with its prompt's engine.
     pub move_cost: f64,
     /// A backend whose stream lost a batch for good (a gap replay could not
     /// fill, a batch that did not decode) is forgotten by the precise index

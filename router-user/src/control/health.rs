@@ -162,7 +162,7 @@ fn read_capacity(router: &Router, b: &Backend) {
         // nothing by going back, and wins when it was not. Shrunk to the
         // published capacity, it forgot held histories and moved 54-69
         // turns a run (pressure-published 68.5% against 74.9% unpublished,
-        // BENCHMARKS.md session 12). It grows for a larger capacity.
+        // decision 0021). It grows for a larger capacity.
         if cap > router.index.capacity(b.slot) {
             router.index.set_capacity(b.slot, cap);
         }

@@ -218,8 +218,8 @@ const CAPACITY_STEP: f64 = 0.25;
 /// `Load::pinned_before`), so a block kept at age `a` proves a capacity of
 /// at least `a`, while one evicted at `a` bounds it only loosely. At equal
 /// weights the estimate settled 15-30% low (engines of 1,151 blocks
-/// evicted blocks from age 850 and kept none past 1,198: BENCHMARKS.md,
-/// session 11).
+/// evicted blocks from age 850 and kept none past 1,198: decision
+/// 0023).
 const EVICT_STEP: f64 = 0.05;
 /// A match within this many blocks of the prediction is a hit (the engine's
 /// tokens and the router's 64-byte blocks round differently).
@@ -248,7 +248,7 @@ const PRIVATE_ALPHA: f64 = 0.05;
 /// while an engine was busy decoding (the hot-prompt scenario's start: 7
 /// requests in flight) once set an engine at a third of its fleet's rate;
 /// selection then starved it, and an engine that gets no new conversations
-/// takes no new samples (BENCHMARKS.md, session 8).
+/// takes no new samples (decision 0023).
 pub const RATE_MIN_SAMPLES: u32 = 8;
 /// Samples with less prefill work than this say more about the network than
 /// the engine, and teach nothing.
@@ -557,7 +557,7 @@ impl Feedback {
         // them, before the steps settle at a quarter. At a quarter from the
         // start, an engine that rarely evicts (few requests, or a cache
         // that fits its share) kept most of the guess for a whole run:
-        // 27,648 = 65,536 x 0.75^3 for a real 1,325 (BENCHMARKS.md).
+        // 27,648 = 65,536 x 0.75^3 for a real 1,325 (decision 0023).
         let n = self.capacity_samples.fetch_add(1, Relaxed);
         let step = if known > 0 {
             weight

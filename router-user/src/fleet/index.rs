@@ -156,7 +156,7 @@ impl Slot {
 /// runs (its body passed through them), and each probe's outcome is a
 /// branch the CPU cannot predict, so without the hints the misses come one
 /// after the other (about 80 ns a block on a 400 KB prompt here); with
-/// them, eight are in flight (BENCHMARKS.md, `index/*_cold`).
+/// them, eight are in flight (decision 0012; the `index/*_cold` benches).
 const AHEAD: usize = 8;
 
 /// Asks the CPU to start loading the cache line of `slot`. A hint: it has
@@ -180,7 +180,7 @@ fn prefetch(slot: &Slot) {
 /// engines of 65,536 blocks), so with 4 KB pages nearly every touch missed
 /// the TLB as well as the cache: a 400 KB prompt the backend held, touching
 /// 700 anchors, cost 525 us of router CPU where 2 MB pages made it 450
-/// (ARCHITECTURE.md, "Huge pages for the index").
+/// (decision 0013, huge pages for the index).
 fn slot_table(n: usize) -> Box<[Slot]> {
     let mut table = Box::<[Slot]>::new_uninit_slice(n);
     // Before the first write: the kernel chooses a page's size when the
@@ -499,7 +499,7 @@ const MAX_RUNS: usize = (MAX_GAP + 1) * OWNERS;
 /// block 64), but below [`DENSE_BLOCKS`] the learning visits every block
 /// anyway, and finds them warm and noted after the walk: so a prompt is
 /// walked as long as it is learned block by block, and up to 32 KB the
-/// request path is the one before issue 13.
+/// request path is the block-by-block one the tests keep as the oracle.
 pub const LINEAR_MAX: usize = DENSE_BLOCKS;
 
 impl PrefixIndex {

@@ -206,7 +206,7 @@ pub enum Decision {
 /// which `prefix.expect_lost_history` expects lost at the holder's rate.
 /// With less, some engine lacks the prompt the conversation shares with
 /// others, and a move may copy it there or crowd the engines that hold it
-/// (sessions 19 and 20: gated on one other holder, it still cost 2-4
+/// (decision 0025: gated on one other holder, it still cost 2-4
 /// points of hits under pressure). The feedback learns the lost share from
 /// leads that another backend's shared match bounds by as much.
 pub const SHARED_MIN_BLOCKS: u32 = 8;
@@ -412,7 +412,7 @@ impl PrefixView {
         }
         // Caches that cannot hold the working set evict whatever a second
         // copy of a prompt pushes out: the prompt is worth more kept whole
-        // on its engines than spread for balance (BENCHMARKS.md, session 23).
+        // on its engines than spread for balance (decision 0020).
         let full_cache = capacity > 0.0 && used >= p.full_cache_pressure * capacity;
         let (epsilon, safety_factor, shared_gap) = if full_cache {
             (

@@ -15,7 +15,7 @@ pub const DEFAULT_BLOCK_BYTES: usize = 64;
 /// and the CPU overlaps them: seeding each block's xxh3 with the previous
 /// hash made every block wait for the whole hash of the one before. On
 /// 400 KB of prompt that took 45 us (9 GB/s); the fold takes it to
-/// the figure in ARCHITECTURE.md, "Block hashes folded, not seeded".
+/// the figure in decision 0011, block hashes folded, not seeded.
 /// Never 0: the prefix index uses 0 for an empty slot.
 #[inline(always)]
 fn link(prev: u64, block: &[u8]) -> u64 {

@@ -292,8 +292,8 @@ const LANES: usize = 32;
 /// `b.len()`. With AVX2 (checked at run time) by explicit vector compares:
 /// `special` is `c == '"' | c == '\\' | (c as i8) < 0x20`, three compares
 /// a vector, 3.3x and 3.6x faster than the portable scan over 400 KB in
-/// two runs (ARCHITECTURE.md, "Scanning strings with explicit vector
-/// compares").
+/// two runs (decision 0009, string scan with explicit vector
+/// compares).
 #[inline]
 fn next_special(b: &[u8], i: usize) -> usize {
     #[cfg(target_arch = "x86_64")]

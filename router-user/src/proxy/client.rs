@@ -25,7 +25,7 @@ const KEEP_BUFFER: usize = 64 * 1024;
 /// by the declared length up front, so what a connection holds past its
 /// free share stays within twice what it was sent. Growing by half from
 /// 8 KB made a 400 KB body take nine reallocations and 12.8 `io_uring`
-/// operations per request (ARCHITECTURE.md, "Reading a body").
+/// operations per request (decision 0006).
 const GROW_MIN: usize = crate::proxy::io::READ_CHUNK;
 
 /// After a 413 or 503 with a body unread, how long the router keeps reading

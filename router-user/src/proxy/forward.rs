@@ -26,8 +26,8 @@ use crate::proxy::pool::{BackendConn, Pool};
 /// Bodies up to this size are copied behind the head and sent in one
 /// `send`; a larger one is not copied: head and body go in one `writev`
 /// (`io::write_head_and_body`). On 400 KB prompts the `writev` took the
-/// router's CPU per request from 274-394 us to 237-277 (ARCHITECTURE.md,
-/// "Head and body in one writev").
+/// router's CPU per request from 274-394 us to 237-277 (decision
+/// 0005, head and body in one writev).
 const COALESCE_BODY: usize = 16 * 1024;
 /// Largest response head accepted from a backend.
 const MAX_RESPONSE_HEAD: usize = 64 * 1024;

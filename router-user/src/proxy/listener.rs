@@ -35,8 +35,8 @@ type Runtime = monoio::Runtime<monoio::time::TimeDriver<monoio::IoUringDriver>>;
 /// core) waits for the worker's next entry to the kernel, which the event
 /// loop makes at every turn, instead of interrupting it with an IPI. At 64
 /// connections of tiny requests that cut the router's CPU per request from
-/// 20.5-24.4 us to 17.7 us and raised throughput 13-35% (ARCHITECTURE.md,
-/// "io_uring rings with COOP_TASKRUN"). Kernels before 5.19 refuse the
+/// 20.5-24.4 us to 17.7 us and raised throughput 13-35% (decision
+/// 0002, io_uring rings with COOP_TASKRUN). Kernels before 5.19 refuse the
 /// flag: the ring is then set up without it.
 fn runtime() -> std::io::Result<Runtime> {
     let mut coop = io_uring::IoUring::builder();

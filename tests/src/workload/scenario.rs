@@ -181,7 +181,7 @@ impl Corpus {
 #[derive(Debug)]
 pub struct Session {
     pub id: u64,
-    /// Which shared prefix this session uses.
+    /// Which shared prefix this conversation uses.
     pub prefix_id: u32,
     /// Requests sent so far.
     pub turn: u32,

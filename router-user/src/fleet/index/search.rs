@@ -1,7 +1,7 @@
 //! The lookup of a long prompt: the backends holding its first blocks,
 //! and each one's end searched from the last block back, so a 6,400-block
 //! prompt costs a few probes per holder, not 6,400 (see the module's doc
-//! and ARCHITECTURE.md, "Long prompts").
+//! and decision 0014, long prompts: search and anchors).
 
 use super::{BackendSet, MAX_GAP, Matches, OWNER_WORDS, PrefixIndex, owners};
 

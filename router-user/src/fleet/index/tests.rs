@@ -561,7 +561,7 @@ fn a_lost_anchor_is_learned_again() {
     assert!(ages[d + 97] == AGE_UNKNOWN, "not an anchor");
 }
 
-/// The learning before issue 13, block by block, as the oracle of
+/// The block-by-block learning kept as the oracle of
 /// `learning_matches_the_walk_below_the_anchors` (ring entries as now).
 fn learn_block_by_block(idx: &PrefixIndex, backend: usize, hashes: &[u64], ages: &mut Vec<u64>) {
     ages.clear();
