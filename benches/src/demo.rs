@@ -80,6 +80,7 @@ impl DemoCfg {
             think_s: self.think_s,
             drive: self.drive.clone(),
             policies: self.policies.clone(),
+            alongside: None,
         }
     }
 }
@@ -153,7 +154,7 @@ pub fn run(bins: &Bins, cfg: &DemoCfg, venv: Option<&Venv>, out: &Path) -> anyho
                 }
             })
         };
-        let r = quality::run_one(bins, &row, *front, &cfg.timing);
+        let r = quality::run_one(bins, &row, *front, &cfg.timing, 1);
         done.store(true, Ordering::Relaxed);
         let _ = ticker.join();
         let r = r?;

@@ -276,6 +276,19 @@ impl Router {
         policy: &str,
         args: &[String],
     ) -> anyhow::Result<Router> {
+        let mut r = Self::spawn_bin(bin, urls, policy, args)?;
+        r.wait_ready()?;
+        Ok(r)
+    }
+
+    /// Starts `bin` on free ports without waiting for it (replicas that
+    /// wait for each other start together, then [`Router::wait_ready`]).
+    pub fn spawn_bin(
+        bin: &Path,
+        urls: &[String],
+        policy: &str,
+        args: &[String],
+    ) -> anyhow::Result<Router> {
         let port = testkit::proc::free_port();
         let admin_port = testkit::proc::free_port();
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
@@ -289,12 +302,20 @@ impl Router {
         for u in urls {
             cmd.args(["--backend", u]);
         }
-        let mut child = Child::spawn(cmd, "prefix-router")?;
-        child.wait_port(addr)?;
-        if !testkit::proc::wait_http_ready(admin, "/health", START_TIMEOUT) {
-            bail!("prefix-router admin not ready:\n{}", child.stderr_tail());
-        }
+        let child = Child::spawn(cmd, "prefix-router")?;
         Ok(Router { addr, admin, child })
+    }
+
+    /// Waits until the router listens and its admin `/health` answers.
+    pub fn wait_ready(&mut self) -> anyhow::Result<()> {
+        self.child.wait_port(self.addr)?;
+        if !testkit::proc::wait_http_ready(self.admin, "/health", START_TIMEOUT) {
+            bail!(
+                "prefix-router admin not ready:\n{}",
+                self.child.stderr_tail()
+            );
+        }
+        Ok(())
     }
 
     pub fn url(&self) -> String {

@@ -20,6 +20,8 @@
 //!   scenarios, and the lock-step shapes of the first benches);
 //! - [`peers`]: sglang-router, vllm-router and smg in their own virtualenv,
 //!   run inside a network namespace with only loopback;
+//! - [`replicas`]: several router processes in front of one fleet, each
+//!   request to one at random: the ports and `[replicas]` section of each;
 //! - [`micro`]: criterion's figures read back from its output folder;
 //! - [`report`], [`quality_report`], [`charts`]: Markdown, JSON, SVG, and
 //!   the comparison with a previous run.
@@ -44,5 +46,6 @@ pub mod peers;
 pub mod pooled;
 pub mod quality;
 pub mod quality_report;
+pub mod replicas;
 pub mod report;
 pub mod scenarios;

@@ -225,6 +225,7 @@ mod tests {
             local_prompt_tokens: prompt,
             ceiling_cached_tokens: ceiling,
             instance: None,
+            replica: None,
         }
     }
 

@@ -152,74 +152,110 @@ pub const BASELINE_SUFFIX: &str = "@baseline";
 /// `prefix@precise+extra.toml` adds that file's settings.
 pub const PRECISE_SUFFIX: &str = "@precise";
 
-/// A front's name as `(policy, on the baseline build, in precise mode,
-/// config file)`.
-fn parse_policy(front: &str) -> (&str, bool, bool, Option<&str>) {
+/// A prefix-router front's name, read: `POLICY[@baseline|@precise][@alone][+FILE.toml]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PolicyFront<'a> {
+    policy: &'a str,
+    /// On the build in `overhead::BASELINE_ENV`.
+    baseline: bool,
+    /// The engines publish KV events and the router subscribes.
+    precise: bool,
+    /// Replicas share nothing ([`crate::replicas::ALONE_SUFFIX`]).
+    alone: bool,
+    /// A config file whose settings are added.
+    config: Option<&'a str>,
+}
+
+fn parse_policy(front: &str) -> PolicyFront<'_> {
     let (name, config) = front
         .split_once(CONFIG_SEPARATOR)
         .map_or((front, None), |(n, c)| (n, Some(c)));
+    let (name, alone) = name
+        .strip_suffix(crate::replicas::ALONE_SUFFIX)
+        .map_or((name, false), |n| (n, true));
+    let mut f = PolicyFront {
+        policy: name,
+        baseline: false,
+        precise: false,
+        alone,
+        config,
+    };
     if let Some(p) = name.strip_suffix(BASELINE_SUFFIX) {
-        return (p, true, false, config);
+        f.policy = p;
+        f.baseline = true;
+    } else if let Some(p) = name.strip_suffix(PRECISE_SUFFIX) {
+        f.policy = p;
+        f.precise = true;
     }
-    if let Some(p) = name.strip_suffix(PRECISE_SUFFIX) {
-        return (p, false, true, config);
-    }
-    (name, false, false, config)
+    f
 }
 
-/// The config file of a precise-mode run: every engine with its event
-/// endpoints, `[precise]` on, then the settings of `extra` (a file);
-/// removed on drop.
-struct PreciseConfigFile(std::path::PathBuf);
+/// A config file the bench wrote for one router process; removed on drop.
+struct ConfigFile(std::path::PathBuf);
 
-impl PreciseConfigFile {
-    fn write(
-        urls: &[String],
-        events: &[fleet::EventPorts],
-        extra: Option<&str>,
-    ) -> anyhow::Result<PreciseConfigFile> {
-        use std::fmt::Write as _;
+impl ConfigFile {
+    fn write(text: &str) -> anyhow::Result<ConfigFile> {
         static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let mut text = String::from("backends = [\n");
-        for (url, p) in urls.iter().zip(events) {
-            writeln!(
-                text,
-                "  {{ url = \"{url}\", kv_events = \"tcp://127.0.0.1:{}\", kv_events_replay = \"tcp://127.0.0.1:{}\" }},",
-                p.live, p.replay
-            )?;
-        }
-        text.push_str("]\n");
-        let extra = match extra {
-            Some(f) => std::fs::read_to_string(f).with_context(|| format!("reading {f}"))?,
-            None => String::new(),
-        };
-        // `enabled` goes into the file's own `[precise]` table if it has one.
-        match extra.find("[precise]\n") {
-            Some(at) => {
-                let end = at + "[precise]\n".len();
-                text.push_str(&extra[..end]);
-                text.push_str("enabled = true\n");
-                text.push_str(&extra[end..]);
-            }
-            None => {
-                text.push_str(&extra);
-                text.push_str("\n[precise]\nenabled = true\n");
-            }
-        }
         let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let path = std::env::temp_dir().join(format!(
-            "prefix-bench-precise-{}-{seq}.toml",
+            "prefix-bench-router-{}-{seq}.toml",
             std::process::id()
         ));
         std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
-        Ok(PreciseConfigFile(path))
+        Ok(ConfigFile(path))
+    }
+
+    fn args(&self) -> Vec<String> {
+        vec!["--config".to_string(), self.0.display().to_string()]
     }
 }
 
-impl Drop for PreciseConfigFile {
+impl Drop for ConfigFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
     }
+}
+
+/// The text of the config file `extra` (empty without one).
+fn extra_text(extra: Option<&str>) -> anyhow::Result<String> {
+    match extra {
+        Some(f) => std::fs::read_to_string(f).with_context(|| format!("reading {f}")),
+        None => Ok(String::new()),
+    }
+}
+
+/// The config of a precise-mode run: every engine with its event
+/// endpoints, `[precise]` on, then the settings of `extra` (a file).
+fn precise_text(
+    urls: &[String],
+    events: &[fleet::EventPorts],
+    extra: Option<&str>,
+) -> anyhow::Result<String> {
+    use std::fmt::Write as _;
+    let mut text = String::from("backends = [\n");
+    for (url, p) in urls.iter().zip(events) {
+        writeln!(
+            text,
+            "  {{ url = \"{url}\", kv_events = \"tcp://127.0.0.1:{}\", kv_events_replay = \"tcp://127.0.0.1:{}\" }},",
+            p.live, p.replay
+        )?;
+    }
+    text.push_str("]\n");
+    let extra = extra_text(extra)?;
+    // `enabled` goes into the file's own `[precise]` table if it has one.
+    match extra.find("[precise]\n") {
+        Some(at) => {
+            let end = at + "[precise]\n".len();
+            text.push_str(&extra[..end]);
+            text.push_str("enabled = true\n");
+            text.push_str(&extra[end..]);
+        }
+        None => {
+            text.push_str(&extra);
+            text.push_str("\n[precise]\nenabled = true\n");
+        }
+    }
+    Ok(text)
 }
 
 /// Prints the capacity the router learned for each engine beside the real one.
@@ -276,6 +312,8 @@ pub const CONFIG_SEPARATOR: char = '+';
 pub struct PolicyRun {
     /// The policy or peer router.
     pub policy: String,
+    /// Processes of it in front of the fleet, each request to one at random.
+    pub replicas: usize,
     pub summary: Summary,
     pub records: Vec<Record>,
     /// prefix-router's routing time (zero for the peers).
@@ -340,21 +378,159 @@ impl Running {
     }
 }
 
-/// Starts `qs.drive.engines` engines and `front` in front of them, runs
-/// the row's workload for its duration (streaming, TTFT = first content
-/// event), stops everything.
+/// Starts how many tries a set of sharing replicas gets: a port found free
+/// may be taken before a replica binds it.
+const REPLICA_START_TRIES: usize = 3;
+
+/// Starts `n` prefix-router processes as `f` says in front of the engines
+/// at `urls`: with `[replicas]` sections naming each other when `n > 1`
+/// and `f` is not alone. Returns them with the config files they read.
+fn start_ours(
+    bins: &Bins,
+    f: &PolicyFront<'_>,
+    urls: &[String],
+    events: &[fleet::EventPorts],
+    n: usize,
+) -> anyhow::Result<(Vec<Router>, Vec<ConfigFile>)> {
+    // `prefix@baseline`: the policy on another build of the router
+    // (`overhead::BASELINE_ENV`), for a before/after in one run.
+    let bin = if f.baseline {
+        std::path::PathBuf::from(
+            std::env::var_os(crate::overhead::BASELINE_ENV).with_context(|| {
+                format!(
+                    "{} needs {} set to a router binary",
+                    f.policy,
+                    crate::overhead::BASELINE_ENV
+                )
+            })?,
+        )
+    } else {
+        bins.path("prefix-router")
+    };
+    let share = n > 1 && !f.alone;
+    // What every replica's config file holds before its `[replicas]`
+    // section; none when the router needs no file of the bench's own
+    // (`prefix+tuned.toml` passes that file as it is).
+    let base = if f.precise {
+        Some(precise_text(urls, events, f.config)?)
+    } else if share {
+        Some(extra_text(f.config)?)
+    } else {
+        None
+    };
+    // In precise mode the backends are in the file, with their events.
+    let flag_urls: &[String] = if f.precise { &[] } else { urls };
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let listens = if share {
+            crate::replicas::listen_addrs(n)?
+        } else {
+            Vec::new()
+        };
+        let mut files = Vec::new();
+        let mut routers = Vec::new();
+        for i in 0..n {
+            let args = match &base {
+                Some(text) => {
+                    let mut text = text.clone();
+                    if share {
+                        text.push_str(&crate::replicas::section(listens[i], &listens));
+                    }
+                    let file = ConfigFile::write(&text)?;
+                    let args = file.args();
+                    files.push(file);
+                    args
+                }
+                None => f
+                    .config
+                    .map(|c| vec!["--config".to_string(), c.to_string()])
+                    .unwrap_or_default(),
+            };
+            routers.push(Router::spawn_bin(&bin, flag_urls, f.policy, &args)?);
+        }
+        // Every replica is started before any is waited for: a starting
+        // replica may wait for its peers' snapshots before it is ready.
+        match routers.iter_mut().try_for_each(Router::wait_ready) {
+            Ok(()) => return Ok((routers, files)),
+            // Only a port taken meanwhile is worth another try.
+            Err(e)
+                if share && tries < REPLICA_START_TRIES && format!("{e:#}").contains("in use") =>
+            {
+                eprintln!("  {n} replicas did not start (a port was taken); again on fresh ports");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The routing time of several replicas as one: counts summed, the mean
+/// over all their decisions, the largest p99 bound.
+fn combined_routing(times: &[RoutingTime]) -> RoutingTime {
+    let count: u64 = times.iter().map(|t| t.count).sum();
+    let sum: f64 = times.iter().map(|t| t.mean_us * t.count as f64).sum();
+    RoutingTime {
+        count,
+        mean_us: if count > 0 { sum / count as f64 } else { 0.0 },
+        p99_le_us: times.iter().map(|t| t.p99_le_us).fold(0.0, f64::max),
+    }
+}
+
+/// Runs the workloads of `cfgs` at once against the same routers and
+/// returns one trace: the later workloads' sessions and prefixes
+/// renumbered apart from the first's, every request numbered in the order
+/// it was sent.
+fn run_together(mut cfgs: Vec<RunConfig>) -> anyhow::Result<(Vec<Record>, Summary)> {
+    let name = cfgs[0].scenario.kind.name();
+    let second = match cfgs.len() {
+        1 => return testkit::workload::run_blocking(cfgs.remove(0)),
+        2 => cfgs.remove(1),
+        n => anyhow::bail!("{n} workloads at once: at most two"),
+    };
+    let first = cfgs.remove(0);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (a, b) = rt.block_on(async {
+        tokio::join!(
+            testkit::workload::run(first),
+            testkit::workload::run(second)
+        )
+    });
+    let ((mut records, sa), (more, sb)) = (a?, b?);
+    for mut r in more {
+        r.session += 1 << 40;
+        r.user += 1 << 40;
+        r.prefix_id += 1 << 16;
+        records.push(r);
+    }
+    records.sort_by(|x, y| x.start_ms.total_cmp(&y.start_ms));
+    for (i, r) in records.iter_mut().enumerate() {
+        r.seq = i as u64;
+    }
+    let summary = Summary::from_records(name, &records, sa.duration_s.max(sb.duration_s));
+    Ok((records, summary))
+}
+
+/// Starts `qs.drive.engines` engines and `replicas` processes of `front`
+/// in front of them, runs the row's workload for its duration (streaming,
+/// TTFT = first content event; each request to one replica at random),
+/// stops everything.
 pub fn run_one(
     bins: &Bins,
     qs: &QualityScenario,
     front: Front<'_>,
     timing: &Timing,
+    replicas: usize,
 ) -> anyhow::Result<PolicyRun> {
     anyhow::ensure!(!fleet::interrupted(), "interrupted");
+    anyhow::ensure!(replicas >= 1, "at least one replica");
     let args = timing.engine_args(qs.kv_blocks, qs.hide_capacity);
-    let (policy, baseline, precise, config) = match front {
-        Front::Policy(p) => parse_policy(p),
-        Front::Peer(..) => ("", false, false, None),
+    let parsed = match front {
+        Front::Policy(p) => Some(parse_policy(p)),
+        Front::Peer(..) => None,
     };
+    let precise = parsed.is_some_and(|f| f.precise);
     let (engines, events): (Vec<Engine>, Vec<fleet::EventPorts>) = if precise {
         fleet::start_engines_with_events(bins, qs.drive.engines, &args)?
             .into_iter()
@@ -367,56 +543,44 @@ pub fn run_one(
     };
     let model = engine_model(&engines[0])?;
     let urls: Vec<String> = engines.iter().map(Engine::url).collect();
-    let config_args: Vec<String> = config
-        .map(|c| vec!["--config".to_string(), c.to_string()])
-        .unwrap_or_default();
-    let mut precise_config = None;
-    let router = match front {
-        Front::Peer(venv, peer) => Running::Peer(PeerRouter::start(venv, peer, &engines, &model)?),
-        // `prefix@precise`: the engines' KV events, on this build.
-        Front::Policy(_) if precise => {
-            let file = PreciseConfigFile::write(&urls, &events, config)?;
-            let args = ["--config".to_string(), file.0.display().to_string()];
-            precise_config = Some(file);
-            Running::Ours(Router::start_bin(
-                &bins.path("prefix-router"),
-                &[],
-                policy,
-                &args,
-            )?)
+    let mut config_files = Vec::new();
+    let routers: Vec<Running> = match (front, parsed) {
+        (Front::Peer(venv, peer), _) => (0..replicas)
+            .map(|_| PeerRouter::start(venv, peer, &engines, &model).map(Running::Peer))
+            .collect::<anyhow::Result<_>>()?,
+        (Front::Policy(_), Some(f)) => {
+            let (ours, files) = start_ours(bins, &f, &urls, &events, replicas)?;
+            config_files = files;
+            ours.into_iter().map(Running::Ours).collect()
         }
-        // `prefix@baseline`: the policy on another build of the router
-        // (`overhead::BASELINE_ENV`), for a before/after in one run.
-        Front::Policy(p) if baseline => {
-            let bin = std::env::var_os(crate::overhead::BASELINE_ENV).with_context(|| {
-                format!(
-                    "{p} needs {} set to a router binary",
-                    crate::overhead::BASELINE_ENV
-                )
-            })?;
-            Running::Ours(Router::start_bin(
-                Path::new(&bin),
-                &urls,
-                policy,
-                &config_args,
-            )?)
-        }
-        // `prefix+tuned.toml`: the policy with a config file (tuning runs).
-        Front::Policy(_) => Running::Ours(Router::start_urls(bins, &urls, policy, &config_args)?),
+        (Front::Policy(p), None) => anyhow::bail!("front {p} not parsed"),
     };
     let before: Vec<u64> = engines.iter().map(engine_requests).collect();
-    let mut cfg = RunConfig::new(router.url(), qs.scaled(timing.time_scale));
-    cfg.users = qs.drive.users;
-    cfg.rate = qs.rate(timing.time_scale);
-    cfg.requests = None;
-    cfg.duration = Some(Duration::from_secs_f64(qs.drive.duration_s));
-    cfg.seed = qs.drive.seed;
-    cfg.model = Some(model);
-    cfg.request_timeout = Duration::from_secs(60);
-    let (records, mut summary) = testkit::workload::run_blocking(cfg)?;
+    let drive = |part: &QualityScenario, seed: u64| {
+        let mut cfg = RunConfig::new(routers[0].url(), part.scaled(timing.time_scale));
+        cfg.replicas = routers[1..].iter().map(Running::url).collect();
+        cfg.users = part.drive.users;
+        cfg.rate = part.rate(timing.time_scale);
+        cfg.requests = None;
+        cfg.duration = Some(Duration::from_secs_f64(qs.drive.duration_s));
+        cfg.seed = seed;
+        cfg.model = Some(model.clone());
+        cfg.request_timeout = Duration::from_secs(60);
+        cfg
+    };
+    let mut cfgs = vec![drive(qs, qs.drive.seed)];
+    if let Some(side) = &qs.alongside {
+        // Another seed: the second workload's choices are its own.
+        cfgs.push(drive(side, qs.drive.seed ^ 0xba7c4));
+    }
+    let (records, mut summary) = run_together(cfgs)?;
     summary.scenario = qs.name.clone();
     if let Some(dir) = std::env::var_os(RECORDS_ENV) {
-        write_records(Path::new(&dir), &qs.name, &front.name(), &records)?;
+        let name = match replicas {
+            1 => front.name(),
+            n => format!("{}-x{n}", front.name()),
+        };
+        write_records(Path::new(&dir), &qs.name, &name, &records)?;
     }
     let per_engine: Vec<u64> = engines
         .iter()
@@ -426,18 +590,23 @@ pub fn run_one(
     // The engines' own counts: the same for every router, whatever
     // response headers it passes on.
     summary.load_max_mean_ratio = max_over_mean(&per_engine);
-    if let Running::Ours(r) = &router {
+    if let Some(Running::Ours(r)) = routers.first() {
         print_learned_capacity(r, qs);
     }
-    let routing = match &router {
-        Running::Ours(r) => RoutingTime::parse(&r.metrics().unwrap_or_default()),
-        Running::Peer(_) => RoutingTime::default(),
-    };
-    drop(router);
-    drop(precise_config);
+    let times: Vec<RoutingTime> = routers
+        .iter()
+        .filter_map(|r| match r {
+            Running::Ours(r) => Some(RoutingTime::parse(&r.metrics().unwrap_or_default())),
+            Running::Peer(_) => None,
+        })
+        .collect();
+    let routing = combined_routing(&times);
+    drop(routers);
+    drop(config_files);
     drop(engines);
     Ok(PolicyRun {
         policy: front.name(),
+        replicas,
         summary,
         records,
         routing,
@@ -457,6 +626,15 @@ pub struct QualityRow {
     /// Whether `policy` is a peer router rather than one of ours.
     #[serde(default)]
     pub peer: bool,
+    /// Processes of the router in front of the fleet, each request to one
+    /// at random.
+    #[serde(default = "one")]
+    pub replicas: usize,
+    /// Hit rate over the same router's with one replica (for a front
+    /// running alone, over the sharing front's), when several replica
+    /// counts ran.
+    #[serde(default)]
+    pub kept: Option<f64>,
     pub kv_blocks: usize,
     #[serde(default)]
     pub engines: usize,
@@ -524,6 +702,8 @@ impl QualityRow {
             scenario: qs.name.clone(),
             policy: run.policy.clone(),
             peer: Peer::from_name(&run.policy).is_some(),
+            replicas: run.replicas,
+            kept: None,
             kv_blocks: qs.kv_blocks,
             engines: qs.drive.engines,
             hide_capacity: qs.hide_capacity,
@@ -562,17 +742,26 @@ pub struct QualityCfg {
     /// Runs of each router on each row; the figures are medians.
     #[serde(default = "one")]
     pub repeats: usize,
+    /// Replica counts: each router runs as this many processes in front
+    /// of the fleet, each request to one at random (`--replicas`).
+    #[serde(default = "one_replica_count")]
+    pub replicas: Vec<usize>,
     pub timing: Timing,
+}
+
+fn one_replica_count() -> Vec<usize> {
+    vec![1]
 }
 
 impl QualityCfg {
     /// The named rows, then the lock-step ones.
     pub fn full() -> Self {
         QualityCfg {
-            scenarios: crate::scenarios::all(),
+            scenarios: crate::scenarios::default_rows(),
             policies: None,
             peers: Vec::new(),
             repeats: 1,
+            replicas: one_replica_count(),
             timing: Timing::default(),
         }
     }
@@ -594,12 +783,24 @@ impl QualityCfg {
         }
     }
 
-    /// Keeps only the rows named in `names` (all when empty); errors on an
-    /// unknown name, listing the known ones.
+    /// Keeps only the rows named in `names` (all when empty;
+    /// `cache-pressure` stands for [`crate::scenarios::CACHE_PRESSURE`]);
+    /// errors on an unknown name, listing the known ones.
     pub fn select(&mut self, names: &[String]) -> anyhow::Result<()> {
         if names.is_empty() {
             return Ok(());
         }
+        let names: Vec<String> = names
+            .iter()
+            .flat_map(|n| {
+                if n == crate::scenarios::CACHE_PRESSURE_SET {
+                    crate::scenarios::CACHE_PRESSURE.map(String::from).to_vec()
+                } else {
+                    vec![n.clone()]
+                }
+            })
+            .collect();
+        let names = &names[..];
         let known: Vec<String> = crate::scenarios::all()
             .into_iter()
             .map(|s| s.name)
@@ -625,14 +826,74 @@ impl QualityCfg {
         self.policies.as_deref().unwrap_or(&qs.policies)
     }
 
-    /// Runs in all: every row under its policies and every peer, repeated.
+    /// The routers of row `qs` by name: its policies, then the peers.
+    fn front_names(&self, qs: &QualityScenario) -> Vec<String> {
+        let mut v = self.policies_for(qs).to_vec();
+        v.extend(self.peers.iter().map(|p| p.name().to_string()));
+        v
+    }
+
+    /// One round of row `qs`: `(router, replicas)`, the router as an index
+    /// of [`QualityCfg::front_names`], replica count by replica count. A
+    /// front running alone is left out at one replica when the front that
+    /// shares runs too: one replica has no one to share with.
+    fn plan(&self, qs: &QualityScenario) -> Vec<(usize, usize)> {
+        let names = self.front_names(qs);
+        let counts = if self.replicas.is_empty() {
+            one_replica_count()
+        } else {
+            self.replicas.clone()
+        };
+        counts
+            .iter()
+            .flat_map(|&n| {
+                let names = &names;
+                (0..names.len())
+                    .filter(move |&i| {
+                        n != 1
+                            || crate::replicas::shared_name(&names[i])
+                                .is_none_or(|base| !names.contains(&base))
+                    })
+                    .map(move |i| (i, n))
+            })
+            .collect()
+    }
+
+    /// Runs in all: every row under its policies and every peer, at each
+    /// replica count, repeated.
     pub fn runs(&self) -> usize {
         self.repeats.max(1)
             * self
                 .scenarios
                 .iter()
-                .map(|s| self.policies_for(s).len() + self.peers.len())
+                .map(|s| self.plan(s).len())
                 .sum::<usize>()
+    }
+}
+
+/// Fills each row's `kept` when several replica counts ran: its hit rate
+/// over the one-replica row of the same router on the same scenario (for
+/// a front running alone, of the front that shares).
+pub fn fill_kept(rows: &mut [QualityRow]) {
+    if rows.iter().all(|r| r.replicas == 1) {
+        return;
+    }
+    let base: Vec<Option<f64>> = rows
+        .iter()
+        .map(|r| {
+            let names = [
+                r.policy.clone(),
+                crate::replicas::shared_name(&r.policy).unwrap_or_default(),
+            ];
+            names.iter().find_map(|n| {
+                rows.iter()
+                    .find(|b| b.scenario == r.scenario && b.replicas == 1 && b.policy == *n)
+                    .map(|b| b.hit_rate)
+            })
+        })
+        .collect();
+    for (r, b) in rows.iter_mut().zip(base) {
+        r.kept = b.filter(|&b| b > 0.0).map(|b| r.hit_rate / b);
     }
 }
 
@@ -654,23 +915,35 @@ pub fn run(
         if let Some(v) = venv {
             fronts.extend(cfg.peers.iter().map(|&p| Front::Peer(v, p)));
         }
-        // Rounds over all routers, so a noisy minute of the machine is
-        // spread over every router rather than landing on one.
-        let mut runs: Vec<Vec<QualityRow>> = vec![Vec::new(); fronts.len()];
+        let plan: Vec<(usize, usize)> = cfg
+            .plan(qs)
+            .into_iter()
+            .filter(|&(i, _)| i < fronts.len())
+            .collect();
+        // Rounds over all routers and replica counts, so a noisy minute of
+        // the machine is spread over every router rather than landing on one.
+        let mut runs: Vec<Vec<QualityRow>> = vec![Vec::new(); plan.len()];
         for round in 0..cfg.repeats.max(1) {
-            for (i, front) in fronts.iter().enumerate() {
+            for (k, &(i, n)) in plan.iter().enumerate() {
+                let front = fronts[i];
+                let times = if n == 1 {
+                    String::new()
+                } else {
+                    format!(" x{n}")
+                };
                 tick(&format!(
-                    "{} / {} (round {})",
+                    "{} / {}{times} (round {})",
                     qs.name,
                     front.name(),
                     round + 1
                 ));
-                let run = run_one(bins, qs, *front, &cfg.timing)?;
-                runs[i].push(QualityRow::of(&run, qs));
+                let run = run_one(bins, qs, front, &cfg.timing, n)?;
+                runs[k].push(QualityRow::of(&run, qs));
             }
         }
         rows.extend(runs.iter().map(|r| QualityRow::median(r)));
     }
+    fill_kept(&mut rows);
     Ok(rows)
 }
 
@@ -725,14 +998,28 @@ mod tests {
 
     #[test]
     fn a_precise_front_gives_the_router_every_engine_s_events() {
-        assert_eq!(parse_policy("prefix"), ("prefix", false, false, None));
+        let front = |policy, baseline, precise, alone, config| PolicyFront {
+            policy,
+            baseline,
+            precise,
+            alone,
+            config,
+        };
+        assert_eq!(
+            parse_policy("prefix"),
+            front("prefix", false, false, false, None)
+        );
         assert_eq!(
             parse_policy("prefix@baseline+a.toml"),
-            ("prefix", true, false, Some("a.toml"))
+            front("prefix", true, false, false, Some("a.toml"))
         );
         assert_eq!(
             parse_policy("prefix@precise"),
-            ("prefix", false, true, None)
+            front("prefix", false, true, false, None)
+        );
+        assert_eq!(
+            parse_policy("prefix@precise@alone+a.toml"),
+            front("prefix", false, true, true, Some("a.toml"))
         );
         let urls = [
             "http://127.0.0.1:7001".to_string(),
@@ -756,7 +1043,7 @@ mod tests {
         .unwrap();
         let extra_name = extra.display().to_string();
         for (extra, burst) in [(None, 2000), (Some(extra_name.as_str()), 500)] {
-            let file = PreciseConfigFile::write(&urls, &ports, extra).unwrap();
+            let file = ConfigFile::write(&precise_text(&urls, &ports, extra).unwrap()).unwrap();
             let cfg = prefix_router::config::Config::from_file(&file.0).unwrap();
             assert!(cfg.precise.enabled);
             assert_eq!(cfg.precise.burst_ms, burst);
@@ -789,6 +1076,7 @@ mod tests {
                 },
                 ..Default::default()
             },
+            replicas: 1,
             records: Vec::new(),
             routing: RoutingTime::default(),
             per_engine: vec![5, 5],
@@ -801,6 +1089,92 @@ mod tests {
         assert_eq!((m.hit_rate, m.ttft_p99_ms), (0.6, 300.0));
         assert_eq!((m.runs, m.requests), (3, 30));
         assert_eq!(m.load_max_mean, 1.0);
+    }
+
+    #[test]
+    fn replica_counts_run_every_router_and_alone_only_where_it_differs() {
+        let mut q = QualityCfg::full();
+        q.select(&["cache-pressure".to_string()]).unwrap();
+        let got: Vec<&str> = q.scenarios.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(got, crate::scenarios::CACHE_PRESSURE);
+        q.peers = vec![Peer::Sglang, Peer::Vllm];
+        q.policies = Some(vec!["prefix".into(), "prefix@alone".into()]);
+        q.replicas = vec![1, 2, 4];
+        let plan = q.plan(&q.scenarios[0]);
+        // prefix, sglang, vllm at 1; all four at 2 and at 4.
+        assert_eq!(
+            plan,
+            [
+                (0, 1),
+                (2, 1),
+                (3, 1),
+                (0, 2),
+                (1, 2),
+                (2, 2),
+                (3, 2),
+                (0, 4),
+                (1, 4),
+                (2, 4),
+                (3, 4)
+            ]
+        );
+        assert_eq!(q.runs(), 4 * 11);
+        // Alone without the front that shares: it runs at one replica too.
+        q.policies = Some(vec!["prefix@alone".into()]);
+        q.peers.clear();
+        assert_eq!(q.plan(&q.scenarios[0]), [(0, 1), (0, 2), (0, 4)]);
+    }
+
+    #[test]
+    fn kept_is_over_the_same_router_s_one_replica_row() {
+        let qs = crate::scenarios::named_scenarios().remove(0);
+        let row = |policy: &str, replicas: usize, hit: f64| {
+            let mut r = QualityRow::of(
+                &PolicyRun {
+                    policy: policy.into(),
+                    replicas,
+                    summary: Summary {
+                        hit_rate: hit,
+                        ..Default::default()
+                    },
+                    records: Vec::new(),
+                    routing: RoutingTime::default(),
+                    per_engine: vec![1],
+                },
+                &qs,
+            );
+            r.hit_rate = hit;
+            r
+        };
+        let mut rows = vec![
+            row("prefix", 1, 0.8),
+            row("sglang-router", 1, 0.5),
+            row("prefix", 2, 0.78),
+            row("prefix@alone", 2, 0.6),
+            row("sglang-router", 2, 0.4),
+        ];
+        fill_kept(&mut rows);
+        let kept: Vec<f64> = rows.iter().map(|r| r.kept.unwrap()).collect();
+        let want = [1.0, 1.0, 0.78 / 0.8, 0.6 / 0.8, 0.8];
+        for (k, w) in kept.iter().zip(want) {
+            assert!((k - w).abs() < 1e-9, "{kept:?}");
+        }
+        assert!(rows[1].peer && !rows[0].peer);
+        let mut single = vec![row("prefix", 1, 0.8)];
+        fill_kept(&mut single);
+        assert_eq!(single[0].kept, None, "one replica count: nothing to keep");
+    }
+
+    #[test]
+    fn replicas_routing_times_combine_by_their_counts() {
+        let t = |count, mean_us, p99_le_us| RoutingTime {
+            count,
+            mean_us,
+            p99_le_us,
+        };
+        let c = combined_routing(&[t(100, 10.0, 50.0), t(300, 30.0, 100.0)]);
+        assert_eq!((c.count, c.mean_us, c.p99_le_us), (400, 25.0, 100.0));
+        assert_eq!(combined_routing(&[]).mean_us, 0.0);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The quality bench's part of the report: the rows of each scenario, the
-//! scenarios against the peer routers side by side, and the placement targets.
+//! scenarios against the peer routers side by side, the routers at several
+//! replica counts side by side, and the targets they are checked against.
 
 use crate::quality::QualityRow;
 use crate::report::{BenchResults, Check, Table, pct};
@@ -9,21 +10,28 @@ use std::fmt::Write as _;
 pub const PEERS_NOTE: &str = "Peer routers: sglang-router 0.3.2, vllm-router 0.1.17 and smg 1.13.0 from PyPI, each with its `cache_aware` policy and defaults otherwise (smg with `--worker-warmup-secs 0` and `--disable-tokenizer-autoload`), on the same engines and the same traffic (same seed), the whole run inside a network namespace with only loopback. The engines answer vLLM's `/tokenize` and render endpoints, so vllm-router routes on the real token ids. TTFT is the first streamed content event; the client acknowledges at once (TCP_QUICKACK), which keeps sglang-router's Nagle/delayed-ACK stall (+40 ms on a reused connection) out of the figures.";
 
 impl BenchResults {
-    /// The placement targets, on the rows that ran: against the best peer under
-    /// memory pressure, and against round-robin on the hot prompt.
+    /// The placement targets, on the rows that ran with one replica: against
+    /// the best peer under memory pressure, and against round-robin on the
+    /// hot prompt.
     pub(crate) fn check_placement_targets(&self, c: &mut Vec<Check>) {
+        let single: Vec<&QualityRow> = self
+            .quality_rows
+            .iter()
+            .filter(|r| r.replicas == 1)
+            .collect();
         let row = |sc: &str, p: &str| {
-            self.quality_rows
+            single
                 .iter()
+                .copied()
                 .find(|r| r.scenario == sc && r.policy == p)
         };
         for sc in ["pressure-unpublished", "pressure-published", "think-48"] {
             let Some(ours) = row(sc, "prefix") else {
                 continue;
             };
-            let peers: Vec<&QualityRow> = self
-                .quality_rows
+            let peers: Vec<&QualityRow> = single
                 .iter()
+                .copied()
                 .filter(|r| r.scenario == sc && r.peer)
                 .collect();
             let Some(best) = peers
@@ -119,6 +127,53 @@ impl BenchResults {
                 margin: format!("{d:+.1} points"),
             });
         }
+        self.check_replica_targets(c);
+    }
+
+    /// The replicas' targets, on every row that ran prefix-router's
+    /// sharing front (`prefix`) at several replica counts: N replicas keep
+    /// at least 0.97x of one router's hit rate, with TTFT p50 and p99 at
+    /// most 1.1x one router's.
+    fn check_replica_targets(&self, c: &mut Vec<Check>) {
+        let rows = &self.quality_rows;
+        for r in rows
+            .iter()
+            .filter(|r| r.policy == "prefix" && r.replicas > 1)
+        {
+            let Some(one) = rows
+                .iter()
+                .find(|b| b.scenario == r.scenario && b.policy == r.policy && b.replicas == 1)
+            else {
+                continue;
+            };
+            let kept = r.kept.unwrap_or(0.0);
+            c.push(Check {
+                target: format!(
+                    "{}: {} replicas keep >= 0.97x one router's hit rate",
+                    r.scenario, r.replicas
+                ),
+                measured: format!("{} vs {}", pct(r.hit_rate), pct(one.hit_rate)),
+                met: kept >= 0.97,
+                margin: format!("{kept:.3}x"),
+            });
+            let ratio = |a: f64, b: f64| a / b.max(1e-9);
+            let (p50, p99) = (
+                ratio(r.ttft_p50_ms, one.ttft_p50_ms),
+                ratio(r.ttft_p99_ms, one.ttft_p99_ms),
+            );
+            c.push(Check {
+                target: format!(
+                    "{}: {} replicas' TTFT p50 and p99 <= 1.1x one router's",
+                    r.scenario, r.replicas
+                ),
+                measured: format!(
+                    "p50 {:.1} ms vs {:.1}, p99 {:.1} ms vs {:.1}",
+                    r.ttft_p50_ms, one.ttft_p50_ms, r.ttft_p99_ms, one.ttft_p99_ms
+                ),
+                met: p50 <= 1.1 && p99 <= 1.1,
+                margin: format!("{p50:.2}x / {p99:.2}x"),
+            });
+        }
     }
 }
 
@@ -157,19 +212,19 @@ pub fn quality_markdown(q: &crate::quality::QualityCfg, rows: &[QualityRow]) -> 
                 "published"
             }
             .into(),
-            match s.drive.arrivals_per_s {
-                Some(r) => format!("open loop, {r:.2} new chats per simulated s"),
-                None => s.drive.users.to_string(),
-            },
+            drive_cell(s),
             format!("{}", s.think_s),
             format!("{:.0}", s.drive.duration_s),
             s.about.clone(),
         ]);
     }
     let _ = writeln!(m, "{}", t.markdown());
-    let mut t = Table::new(&[
-        "scenario",
-        "router",
+    let several = rows.iter().any(|r| r.replicas > 1);
+    let mut head = vec!["scenario", "router"];
+    if several {
+        head.push("replicas");
+    }
+    head.extend([
         "requests",
         "hit rate",
         "ceiling",
@@ -183,10 +238,13 @@ pub fn quality_markdown(q: &crate::quality::QualityCfg, rows: &[QualityRow]) -> 
         "max/mean load",
         "routing us",
     ]);
+    let mut t = Table::new(&head);
     for x in rows {
-        t.row(vec![
-            x.scenario.clone(),
-            x.policy.clone(),
+        let mut line = vec![x.scenario.clone(), x.policy.clone()];
+        if several {
+            line.push(x.replicas.to_string());
+        }
+        line.extend([
             format!("{} ({} err)", x.requests, x.errors),
             pct(x.hit_rate),
             pct(x.ceiling),
@@ -204,17 +262,87 @@ pub fn quality_markdown(q: &crate::quality::QualityCfg, rows: &[QualityRow]) -> 
                 format!("{:.1}", x.routing.mean_us)
             },
         ]);
+        t.row(line);
     }
     let _ = writeln!(m, "{}", t.markdown());
-    if rows.iter().any(|r| r.peer) {
+    if several {
+        let _ = writeln!(m, "### Router replicas\n");
+        let _ = writeln!(m, "{}\n", replicas_side_by_side(rows).markdown());
+        let _ = writeln!(
+            m,
+            "Each router ran as 1 to N processes in front of the same engines; every request went to one of them at random (seeded, drawn per request: a conversation's turns land on different replicas, as behind an L4 balancer or a Kubernetes Service). Each cell: hit rate · TTFT p50 / p99 ms · kept = hit rate over the same router's with one replica. prefix-router's replicas share what they learn (`[replicas]`); `{}` runs them without sharing, each knowing only what it sent, and is kept against the sharing front's single replica.\n",
+            crate::replicas::ALONE_SUFFIX
+        );
+    }
+    let single: Vec<QualityRow> = rows.iter().filter(|r| r.replicas == 1).cloned().collect();
+    if single.iter().any(|r| r.peer) {
         let _ = writeln!(m, "### Against the peer routers\n");
-        let _ = writeln!(m, "{}\n", side_by_side(rows).markdown());
+        let _ = writeln!(m, "{}\n", side_by_side(&single).markdown());
         let _ = writeln!(
             m,
             "Each cell: hit rate · TTFT p50 / p99 ms · max/mean load.\n\n{PEERS_NOTE}\n"
         );
     }
     m
+}
+
+/// How a row is driven, for the scenarios' table: users, or the open
+/// loop's arrivals, and the workload beside it.
+fn drive_cell(s: &crate::scenarios::QualityScenario) -> String {
+    let one = |s: &crate::scenarios::QualityScenario| match s.drive.arrivals_per_s {
+        Some(r) => format!("open loop, {r:.2} arrivals per simulated s"),
+        None => s.drive.users.to_string(),
+    };
+    match &s.alongside {
+        Some(b) => format!("{} + {}", one(s), one(b)),
+        None => one(s),
+    }
+}
+
+/// Scenarios and replica counts down, routers across: hit rate, TTFT
+/// p50/p99, kept.
+pub fn replicas_side_by_side(rows: &[QualityRow]) -> Table {
+    let mut routers: Vec<&str> = Vec::new();
+    let mut lines: Vec<(&str, usize)> = Vec::new();
+    for r in rows {
+        if !routers.contains(&r.policy.as_str()) {
+            routers.push(&r.policy);
+        }
+        if !lines.contains(&(r.scenario.as_str(), r.replicas)) {
+            lines.push((&r.scenario, r.replicas));
+        }
+    }
+    // Each scenario's lines together, by replica count, in the order run.
+    let order: Vec<&str> = lines.iter().map(|l| l.0).fold(Vec::new(), |mut v, s| {
+        if !v.contains(&s) {
+            v.push(s);
+        }
+        v
+    });
+    lines.sort_by_key(|&(sc, n)| (order.iter().position(|s| *s == sc), n));
+    let mut head = vec!["scenario", "replicas"];
+    head.extend(routers.iter().copied());
+    let mut t = Table::new(&head);
+    for (sc, n) in lines {
+        let mut line = vec![sc.to_string(), n.to_string()];
+        for p in &routers {
+            line.push(
+                rows.iter()
+                    .find(|r| r.scenario == sc && r.policy == *p && r.replicas == n)
+                    .map_or("-".into(), |r| {
+                        let kept = r.kept.map_or(String::new(), |k| format!(" · {k:.2}x"));
+                        format!(
+                            "{} · {:.0} / {:.0}{kept}",
+                            pct(r.hit_rate),
+                            r.ttft_p50_ms,
+                            r.ttft_p99_ms
+                        )
+                    }),
+            );
+        }
+        t.row(line);
+    }
+    t
 }
 
 /// Scenarios down, routers across: hit rate, TTFT p50/p99, max/mean load.

@@ -211,7 +211,7 @@ impl BenchResults {
         let q = |p: &str| {
             self.quality_rows
                 .iter()
-                .find(|r| r.scenario == "chat" && r.policy == p)
+                .find(|r| r.scenario == "chat" && r.policy == p && r.replicas == 1)
         };
         if let (Some(p), Some(rr)) = (q("prefix"), q("round-robin")) {
             let share = p.hit_rate / p.ceiling.max(1e-9);
@@ -260,7 +260,10 @@ impl BenchResults {
             }
         }
         for q in &self.quality_rows {
-            let k = format!("{} {}", q.scenario, q.policy);
+            let k = match q.replicas {
+                1 => format!("{} {}", q.scenario, q.policy),
+                n => format!("{} {} x{n}", q.scenario, q.policy),
+            };
             f.insert(format!("{k} hit rate"), (q.hit_rate, true));
             f.insert(format!("{k} TTFT p50 ms"), (q.ttft_p50_ms, false));
         }

@@ -57,6 +57,11 @@ pub struct QualityScenario {
     /// run on every row).
     #[serde(default)]
     pub policies: Vec<String>,
+    /// A second workload sent to the same fleet at the same time (chats
+    /// and a batch on one fleet): its own shape, think time, users or
+    /// arrivals; the row's engines, capacity, duration and seed.
+    #[serde(default)]
+    pub alongside: Option<Box<QualityScenario>>,
 }
 
 impl QualityScenario {
@@ -130,6 +135,7 @@ fn named(
         policies: ["prefix", "round-robin", "least-request"]
             .map(String::from)
             .to_vec(),
+        alongside: None,
     }
 }
 
@@ -256,12 +262,129 @@ pub fn lockstep(kind: ScenarioKind) -> QualityScenario {
         ]
         .map(String::from)
         .to_vec(),
+        alongside: None,
     }
+}
+
+/// The templated batch's templates: few-shot prompts of 1-1.5k tokens
+/// (instructions and worked examples), as an outreach or extraction job
+/// fills one per record.
+const TEMPLATES: usize = 16;
+const TEMPLATE_TOKENS: (usize, usize) = (1000, 1500);
+
+/// How unevenly the templates are used: Zipf's exponent. At 1.1 over 16
+/// templates the most used one takes a third of the requests and the four
+/// most used two thirds.
+const TEMPLATE_ZIPF_S: f64 = 1.1;
+
+/// Templated single-turn requests: a template by Zipf popularity, then a
+/// personal part of 50-150 tokens (the record the template is filled with),
+/// an answer of 64 tokens.
+pub fn templated_batch_workload() -> Scenario {
+    Scenario {
+        prefixes: TEMPLATES,
+        prefix_tokens: TEMPLATE_TOKENS.1,
+        prefix_tokens_min: TEMPLATE_TOKENS.0,
+        user_tokens: 50,
+        user_tokens_max: 150,
+        popularity_zipf_s: TEMPLATE_ZIPF_S,
+        max_tokens: 64,
+        turns: (1, 1),
+        ..Scenario::new(ScenarioKind::FewShot)
+    }
+}
+
+/// What a cache needs to hold a third of the templates: each engine keeps
+/// about five of the sixteen, so only a fleet that keeps each template on
+/// few engines holds them all.
+fn third_of_templates() -> usize {
+    let mean_tokens = (TEMPLATE_TOKENS.0 + TEMPLATE_TOKENS.1) / 2;
+    (TEMPLATES * mean_tokens.div_ceil(BLOCK_SIZE)).div_ceil(3)
+}
+
+/// The templated batch as a row: open-loop Poisson arrivals (a job
+/// submitting records as they come), single turn, capacity not published.
+/// 6 requests per simulated second keep each engine's prefill about a
+/// quarter busy when every template were missed.
+fn templated_batch() -> QualityScenario {
+    QualityScenario {
+        name: "templated-batch".into(),
+        about: format!(
+            "single-turn requests from {TEMPLATES} few-shot templates of {}-{} tokens, Zipf popularity (s = {TEMPLATE_ZIPF_S}), a personal part of 50-150 tokens each, open-loop arrivals; each cache holds about a third of the templates, capacity not published",
+            TEMPLATE_TOKENS.0, TEMPLATE_TOKENS.1
+        ),
+        scenario: templated_batch_workload(),
+        // A third of the templates plus what the requests running at once hold.
+        kv_blocks: third_of_templates() + 64,
+        hide_capacity: true,
+        think_s: 0.0,
+        drive: Drive {
+            engines: 3,
+            users: 0,
+            duration_s: NAMED_DURATION_S,
+            seed: 1,
+            arrivals_per_s: Some(6.0),
+        },
+        policies: ["prefix", "round-robin", "least-request"]
+            .map(String::from)
+            .to_vec(),
+        alongside: None,
+    }
+}
+
+/// The cache-pressure rows a deployment of several router replicas is
+/// judged on, beyond think-48: its published twin, the templated batch,
+/// and chats with a batch on one fleet.
+pub fn cache_pressure_extras() -> Vec<QualityScenario> {
+    let published = named(
+        "think-48-published",
+        "as think-48, capacity published as vllm:cache_config_info",
+        support_chat(4, 1500),
+        48,
+        false,
+    );
+    let chats = support_chat(4, 1500);
+    let mut batch = templated_batch();
+    // Half the batch's rate beside 24 chats: the batch's templates take
+    // about a third of the traffic's new prefill.
+    batch.drive.arrivals_per_s = Some(3.0);
+    let mut mixed = named(
+        "chat-and-batch",
+        "24 chats over 4 system prompts of 1.5k tokens with think time, and the templated batch at 3 requests per simulated s, on one fleet; each cache about a third of both working sets, capacity not published",
+        chats.clone(),
+        24,
+        true,
+    );
+    mixed.kv_blocks = third_of(&chats, 24) + third_of_templates();
+    mixed.alongside = Some(Box::new(batch));
+    vec![published, templated_batch(), mixed]
+}
+
+/// The rows a run of several router replicas reports by default
+/// (`--scenario cache-pressure`): chats with think time with and without
+/// published capacity, the templated batch, chats with a batch.
+pub const CACHE_PRESSURE: [&str; 4] = [
+    "think-48",
+    "think-48-published",
+    "templated-batch",
+    "chat-and-batch",
+];
+
+/// The name that stands for [`CACHE_PRESSURE`] in `--scenario`.
+pub const CACHE_PRESSURE_SET: &str = "cache-pressure";
+
+/// The rows a full run goes through: the named ones, then the lock-step
+/// ones. The extra cache-pressure rows run when named.
+pub fn default_rows() -> Vec<QualityScenario> {
+    let mut v = named_scenarios();
+    v.extend(lockstep_scenarios());
+    v
 }
 
 /// Every row by name.
 pub fn all() -> Vec<QualityScenario> {
     let mut v = named_scenarios();
+    v.extend(cache_pressure_extras());
     v.extend(lockstep_scenarios());
     v
 }
@@ -294,5 +417,28 @@ mod tests {
         assert_eq!(a.scaled(0.25).think_time_ms, THINK_S * 250.0);
         let open = all.iter().find(|s| s.name == "open-loop").unwrap();
         assert!((open.rate(0.25).unwrap() - 4.0 * 24.0 / 75.0).abs() < 1e-9);
+        for n in CACHE_PRESSURE {
+            assert!(all.iter().any(|s| s.name == n), "{n}");
+        }
+    }
+
+    #[test]
+    fn the_templated_batch_fits_a_third_of_its_templates_per_engine() {
+        let all = all();
+        let batch = all.iter().find(|s| s.name == "templated-batch").unwrap();
+        assert_eq!(batch.scenario.turns, (1, 1));
+        assert!(batch.drive.arrivals_per_s.is_some() && batch.think_s == 0.0);
+        // 16 templates of 79 blocks on average: 422 blocks a third.
+        assert_eq!(third_of_templates(), 422);
+        assert!(batch.kv_blocks < 16 * 1000 / BLOCK_SIZE / 2);
+        let mixed = all.iter().find(|s| s.name == "chat-and-batch").unwrap();
+        let side = mixed.alongside.as_deref().unwrap();
+        assert_eq!(side.scenario.kind, ScenarioKind::FewShot);
+        assert_eq!(mixed.scenario.kind, ScenarioKind::Chat);
+        assert!(mixed.kv_blocks > batch.kv_blocks);
+        let published = all.iter().find(|s| s.name == "think-48-published").unwrap();
+        let think = all.iter().find(|s| s.name == "think-48").unwrap();
+        assert!(!published.hide_capacity && think.hide_capacity);
+        assert_eq!(published.kv_blocks, think.kv_blocks);
     }
 }

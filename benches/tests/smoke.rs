@@ -148,3 +148,46 @@ fn tiny_bench_measures_every_target() {
     );
     let _ = std::fs::remove_dir_all(&out);
 }
+
+#[test]
+fn tiny_replicas_run_reports_each_replica_count() {
+    let out = tmp("replicas");
+    prefix_bench(&[
+        "--out",
+        out.to_str().unwrap(),
+        "quality",
+        "--scenario",
+        "templated-batch",
+        "--replicas",
+        "1,2",
+        "--policies",
+        "prefix@alone",
+        "--duration",
+        "2",
+        "--peers",
+        "off",
+    ]);
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    let rows = r["quality_rows"].as_array().unwrap();
+    let counts: Vec<u64> = rows
+        .iter()
+        .map(|x| x["replicas"].as_u64().unwrap())
+        .collect();
+    assert_eq!(counts, [1, 2], "{rows:?}");
+    for x in rows {
+        assert!(x["requests"].as_u64().unwrap() > 0, "{x}");
+        assert_eq!(x["errors"].as_u64(), Some(0), "{x}");
+        let kept = x["kept"].as_f64().unwrap_or_else(|| panic!("{x}"));
+        assert!(kept > 0.0, "{x}");
+    }
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("### Router replicas"), "{md}");
+    for n in [1, 2] {
+        assert!(
+            md.contains(&format!("| templated-batch | {n} | ")),
+            "no line for {n} replicas:\n{md}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}

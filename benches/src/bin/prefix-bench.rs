@@ -83,17 +83,29 @@ struct LlamaArgs {
 
 #[derive(clap::Args)]
 struct QualityArgs {
-    /// Scenarios to run, comma-separated or repeated [default: all]. Known:
-    /// pressure-unpublished, pressure-published, think-48, hot-prompt,
-    /// open-loop, chat, few-shot, hot-prefix, long-doc, agent.
-    #[arg(long = "scenario", value_delimiter = ',')]
+    /// Scenarios to run, comma-separated or repeated [default: all but the
+    /// extra cache-pressure rows; with several replica counts,
+    /// cache-pressure]. Known: pressure-unpublished, pressure-published,
+    /// think-48, hot-prompt, open-loop, think-48-published, templated-batch,
+    /// chat-and-batch, chat, few-shot, hot-prefix, long-doc, agent;
+    /// cache-pressure stands for think-48, think-48-published,
+    /// templated-batch and chat-and-batch.
+    #[arg(long = "scenario", visible_alias = "scenarios", value_delimiter = ',')]
     scenarios: Vec<String>,
-    /// prefix-router policies for every scenario [default: each scenario's own].
+    /// prefix-router policies for every scenario [default: each scenario's
+    /// own; with several replica counts, prefix,prefix@alone].
     /// `POLICY+FILE.toml` runs it with that config file; `POLICY@baseline` on
     /// the build in PREFIX_BENCH_BASELINE_ROUTER; `POLICY@precise` in precise
-    /// mode (the engines publish KV events, the router subscribes).
+    /// mode (the engines publish KV events, the router subscribes);
+    /// `POLICY@alone` runs several replicas that share nothing.
     #[arg(long, value_delimiter = ',')]
     policies: Option<Vec<String>>,
+    /// Replica counts, comma-separated: each router (ours and the peers)
+    /// runs as that many processes in front of the same engines, each
+    /// request to one at random; prefix-router's replicas share what they
+    /// learn (`[replicas]`) unless the policy ends in @alone.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    replicas: Vec<usize>,
     #[command(flatten)]
     peers: PeersArgs,
     /// Seconds per run [default: each scenario's own].
@@ -291,6 +303,9 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
+/// Most router processes `--replicas` starts in front of one fleet.
+const MAX_REPLICAS: usize = 16;
+
 /// `prefix-bench quality`: the quality part of the bench alone.
 fn quality_only(
     bins: &Bins,
@@ -302,8 +317,25 @@ fn quality_only(
     let out = out.unwrap_or_else(|| fleet::results_dir(&root, "quality"));
     std::fs::create_dir_all(&out).with_context(|| format!("create {}", out.display()))?;
     let mut qcfg = QualityCfg::full();
-    qcfg.select(&a.scenarios)?;
+    anyhow::ensure!(
+        a.replicas.iter().all(|&n| (1..=MAX_REPLICAS).contains(&n)),
+        "--replicas: counts from 1 to {MAX_REPLICAS}"
+    );
+    let several = a.replicas.iter().any(|&n| n > 1);
+    let scenarios = if a.scenarios.is_empty() && several {
+        vec![router_benches::scenarios::CACHE_PRESSURE_SET.to_string()]
+    } else {
+        a.scenarios.clone()
+    };
+    qcfg.select(&scenarios)?;
     qcfg.policies = a.policies.clone();
+    if several && qcfg.policies.is_none() {
+        qcfg.policies = Some(vec![
+            "prefix".into(),
+            format!("prefix{}", router_benches::replicas::ALONE_SUFFIX),
+        ]);
+    }
+    qcfg.replicas = a.replicas.clone();
     for s in &mut qcfg.scenarios {
         if let Some(d) = a.duration {
             s.drive.duration_s = d;

@@ -35,6 +35,10 @@ pub struct Record {
     pub ceiling_cached_tokens: u64,
     /// The `x-engine-id` response header.
     pub instance: Option<String>,
+    /// Which of the run's targets (router replicas) it was sent to, when
+    /// there were several.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica: Option<u32>,
 }
 
 impl Record {

@@ -20,6 +20,12 @@ const MAX_OPEN_SESSIONS: usize = 10_000;
 pub struct RunConfig {
     /// Base URL of any OpenAI-compatible server: router, engine or vLLM.
     pub target: String,
+    /// More base URLs serving the same fleet (router replicas). Each
+    /// request goes to one of `target` and these, drawn at random for that
+    /// request alone (seeded by `seed`, the session and the turn), as an L4
+    /// balancer or a Kubernetes Service spreads connections: a
+    /// conversation's turns may land on different replicas.
+    pub replicas: Vec<String>,
     pub scenario: Scenario,
     /// Closed loop: concurrent users, each running sessions back to back.
     pub users: usize,
@@ -47,6 +53,7 @@ impl RunConfig {
     pub fn new(target: impl Into<String>, scenario: Scenario) -> Self {
         RunConfig {
             target: target.into(),
+            replicas: Vec::new(),
             scenario,
             users: 8,
             rate: None,
@@ -63,7 +70,8 @@ impl RunConfig {
 
 struct Ctx {
     cfg: RunConfig,
-    client: Client,
+    /// `target`'s client, then one per replica.
+    clients: Vec<Client>,
     corpus: Corpus,
     model_json: String,
     t0: Instant,
@@ -114,6 +122,16 @@ impl Ctx {
         b
     }
 
+    /// Which client sends turn `turn` of session `session`: the same for
+    /// every run of one seed, independent from request to request.
+    fn pick(&self, session: u64, turn: u32) -> usize {
+        let n = self.clients.len() as u64;
+        if n <= 1 {
+            return 0;
+        }
+        (mix(self.cfg.seed ^ 0x5bead, session, u64::from(turn)) % n) as usize
+    }
+
     fn ms(&self, t: Instant) -> f64 {
         t.saturating_duration_since(self.t0).as_secs_f64() * 1e3
     }
@@ -131,9 +149,9 @@ impl Ctx {
             let ceiling_cached = self.ceiling.lock().expect("ceiling").on_send(&prompt);
             let sid = session_id.to_string();
             let headers = [("x-session-id", sid.as_str())];
+            let replica = self.pick(session_id, s.turn);
             let start = Instant::now();
-            let o = self
-                .client
+            let o = self.clients[replica]
                 .send(
                     "POST",
                     "/v1/chat/completions",
@@ -165,6 +183,7 @@ impl Ctx {
                 local_prompt_tokens: prompt.num_tokens as u64,
                 ceiling_cached_tokens: ceiling_cached,
                 instance: o.instance.clone(),
+                replica: (self.clients.len() > 1).then_some(replica as u32),
             };
             let ok = rec.ok();
             if !ok {
@@ -202,8 +221,11 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<(Vec<Record>, Summary)> {
     if cfg.requests.is_none() && cfg.duration.is_none() {
         bail!("a run needs a request count or a duration");
     }
-    let target = Target::parse(&cfg.target).await?;
-    let client = Client::new(target);
+    let mut clients = vec![Client::new(Target::parse(&cfg.target).await?)];
+    for r in &cfg.replicas {
+        clients.push(Client::new(Target::parse(r).await?));
+    }
+    let client = &clients[0];
     let model = match &cfg.model {
         Some(m) => m.clone(),
         None => {
@@ -224,7 +246,7 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<(Vec<Record>, Summary)> {
         corpus: Corpus::new(&cfg.scenario, cfg.seed),
         model_json: serde_json::to_string(&model)?,
         ceiling: Mutex::new(Ceiling::new(&model)),
-        client,
+        clients,
         t0,
         deadline: cfg.duration.map(|d| t0 + d),
         tickets: AtomicU64::new(0),

@@ -67,6 +67,20 @@ pub struct Scenario {
     pub hot_fraction: f64,
     /// agent: tokens per tool result.
     pub tool_tokens: usize,
+    /// How popular each shared prefix is: a session takes prefix `i`
+    /// (0-based) with weight `1 / (i + 1)^s`, Zipf's law (templates and
+    /// system prompts in use are far from equally popular); 0 = uniform.
+    /// Not for hot-prefix, which has its own hot share.
+    #[serde(default)]
+    pub popularity_zipf_s: f64,
+    /// few-shot: each template's tokens drawn uniformly from this to
+    /// `prefix_tokens`; 0 = every template `prefix_tokens` long.
+    #[serde(default)]
+    pub prefix_tokens_min: usize,
+    /// Each user message's tokens drawn uniformly from `user_tokens` to
+    /// this (a personal part of varying length); 0 = exactly `user_tokens`.
+    #[serde(default)]
+    pub user_tokens_max: usize,
 }
 
 impl Scenario {
@@ -82,6 +96,9 @@ impl Scenario {
             think_time_ms: 0.0,
             hot_fraction: 0.8,
             tool_tokens: 300,
+            popularity_zipf_s: 0.0,
+            prefix_tokens_min: 0,
+            user_tokens_max: 0,
         };
         match kind {
             ScenarioKind::Chat => base,
@@ -153,6 +170,11 @@ impl Corpus {
                 };
                 let tokens = if scenario.kind == ScenarioKind::LongDoc {
                     rng.random_range(scenario.prefix_tokens / 2..=scenario.prefix_tokens)
+                } else if scenario.kind == ScenarioKind::FewShot
+                    && scenario.prefix_tokens_min > 0
+                    && scenario.prefix_tokens_min < scenario.prefix_tokens
+                {
+                    rng.random_range(scenario.prefix_tokens_min..=scenario.prefix_tokens)
                 } else {
                     scenario.prefix_tokens
                 };
@@ -177,6 +199,20 @@ impl Corpus {
     }
 }
 
+/// An index in `0..n` drawn with weight `1 / (i + 1)^s` (Zipf's law).
+fn zipf_pick(rng: &mut ChaCha8Rng, n: usize, s: f64) -> usize {
+    let weight = |i: usize| ((i + 1) as f64).powf(-s);
+    let total: f64 = (0..n).map(weight).sum();
+    let mut u = rng.random_range(0.0..total);
+    for i in 0..n {
+        u -= weight(i);
+        if u < 0.0 {
+            return i;
+        }
+    }
+    n.saturating_sub(1)
+}
+
 /// One conversation.
 #[derive(Debug)]
 pub struct Session {
@@ -188,6 +224,7 @@ pub struct Session {
     turns: u32,
     kind: ScenarioKind,
     user_tokens: usize,
+    user_tokens_max: usize,
     tool_tokens: usize,
     think_ms: f64,
     history: Vec<Msg>,
@@ -202,6 +239,9 @@ impl Session {
         let prefix_id = match sc.kind {
             ScenarioKind::HotPrefix if rng.random_bool(sc.hot_fraction.clamp(0.0, 1.0)) => 0,
             ScenarioKind::HotPrefix => 1 + rng.random_range(0..corpus.prefixes.len() - 1),
+            _ if sc.popularity_zipf_s > 0.0 => {
+                zipf_pick(&mut rng, corpus.prefixes.len(), sc.popularity_zipf_s)
+            }
             _ => rng.random_range(0..corpus.prefixes.len()),
         } as u32;
         let (lo, hi) = (sc.turns.0.max(1), sc.turns.1.max(sc.turns.0.max(1)));
@@ -226,6 +266,7 @@ impl Session {
             turns,
             kind: sc.kind,
             user_tokens: sc.user_tokens,
+            user_tokens_max: sc.user_tokens_max,
             tool_tokens: sc.tool_tokens,
             think_ms: sc.think_time_ms,
             history,
@@ -240,9 +281,15 @@ impl Session {
         }
         self.turn += 1;
         let mut user = String::new();
+        let user_tokens = if self.user_tokens_max > self.user_tokens {
+            self.rng
+                .random_range(self.user_tokens..=self.user_tokens_max)
+        } else {
+            self.user_tokens
+        };
         match self.kind {
             ScenarioKind::Chat => {
-                synth::push_text(&mut self.rng, self.user_tokens, &mut user);
+                synth::push_text(&mut self.rng, user_tokens, &mut user);
                 self.history.push(Msg {
                     role: "user",
                     content: user.into(),
@@ -251,7 +298,7 @@ impl Session {
             }
             ScenarioKind::FewShot | ScenarioKind::HotPrefix | ScenarioKind::LongDoc => {
                 user.push_str("Question: ");
-                synth::push_text(&mut self.rng, self.user_tokens, &mut user);
+                synth::push_text(&mut self.rng, user_tokens, &mut user);
                 Some(vec![
                     self.history[0].clone(),
                     Msg {
@@ -338,6 +385,48 @@ mod tests {
         assert!((0.33..0.41).contains(&above), "{above}");
         let mut lockstep = Session::new(&Corpus::new(&Scenario::new(ScenarioKind::Chat), 3), 1, 9);
         assert_eq!(lockstep.think_time(), Duration::ZERO);
+    }
+
+    #[test]
+    fn zipf_popularity_favours_the_first_templates_and_lengths_vary() {
+        let sc = Scenario {
+            prefixes: 16,
+            prefix_tokens: 1500,
+            prefix_tokens_min: 1000,
+            user_tokens: 50,
+            user_tokens_max: 150,
+            popularity_zipf_s: 1.1,
+            ..Scenario::new(ScenarioKind::FewShot)
+        };
+        let corpus = Corpus::new(&sc, 3);
+        let lens: Vec<usize> = corpus
+            .prefixes
+            .iter()
+            .map(|p| crate::engine::tokenize::count_tokens(p))
+            .collect();
+        assert!(lens.iter().all(|&n| (1000..1600).contains(&n)), "{lens:?}");
+        assert!(lens.iter().max().unwrap() - lens.iter().min().unwrap() > 100);
+        let mut counts = [0usize; 16];
+        let mut personal = Vec::new();
+        for i in 0..4000 {
+            let mut s = Session::new(&corpus, i, i);
+            counts[s.prefix_id as usize] += 1;
+            let m = s.next_messages().unwrap();
+            personal.push(crate::engine::tokenize::count_tokens(&m[1].content));
+            assert!(s.next_messages().is_none(), "single turn");
+        }
+        // Weight 1 of a total of about 3.0 for s = 1.1 over 16.
+        let first = counts[0] as f64 / 4000.0;
+        assert!((0.29..0.37).contains(&first), "{counts:?}");
+        assert!(
+            counts[0] > 3 * counts[3] && counts[3] > counts[15],
+            "{counts:?}"
+        );
+        let (lo, hi) = (
+            *personal.iter().min().unwrap(),
+            *personal.iter().max().unwrap(),
+        );
+        assert!(lo >= 50 && hi <= 160 && hi - lo > 60, "{lo}..{hi}");
     }
 
     #[test]
