@@ -1,7 +1,8 @@
 //! `cargo xtask`: the project's commands. One file per subcommand.
 //!
 //! - `cargo xtask setup`: install what builds and tests need (idempotent).
-//! - `cargo xtask test`: setup, build, then every test of the workspace.
+//! - `cargo xtask test`: setup, build, then every test of the workspace
+//!   (`--fast`: the unit, property and layout tests alone).
 //! - `cargo xtask demo`: the router in front of a fleet of simulated engines
 //!   (`--engine llama.cpp`: real llama.cpp servers).
 //! - `cargo xtask bench`: benchmarks, side by side with baselines.
@@ -25,9 +26,10 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Install what the build and the tests need (nightly rust-src, bpf-linker,
-    /// nginx, llama-server and its model).
+    /// cargo-nextest, nginx, llama-server and its model).
     Setup,
-    /// Set up, build, and run every test of the workspace.
+    /// Set up, build, and run every test of the workspace (`--fast`: unit,
+    /// property and layout tests only).
     Test(test::Args),
     /// Build, start a fleet of simulated engines behind prefix-router, and
     /// compare routing policies on a chat workload (report with charts).

