@@ -668,6 +668,13 @@ pub struct SourceState {
     pub errors: u64,
     /// Empty answers in a row not yet taken as removal (`discovery.empty_after`).
     pub empty_in_row: u32,
+    /// Backends it lists that the fleet left out (past `fleet::MAX_BACKENDS`).
+    pub left_out: usize,
+    /// The first few of them, in the source's order.
+    pub left_out_first: Vec<String>,
+    /// Backends it no longer lists that serve until its new ones passed a
+    /// probe (`control::membership`'s handover).
+    pub handing_over: usize,
 }
 
 /// The discovery sources' states by source key, written by
@@ -680,6 +687,13 @@ impl DiscoveryStatus {
     pub fn update(&self, source: &str, f: impl FnOnce(&mut SourceState)) {
         let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
         f(m.entry(source.to_owned()).or_default());
+    }
+
+    /// Whether `source` has a state yet (it answered, or the fleet left
+    /// some of its backends out).
+    pub fn has(&self, source: &str) -> bool {
+        let m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        m.contains_key(source)
     }
 
     /// Drops the sources not in `keep` (a reload removed them).
@@ -707,7 +721,7 @@ impl Collector for DiscoveryCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let states = self.0.snapshot();
         type Value = fn(&SourceState) -> Option<f64>;
-        let families: [(&str, &str, MetricType, Value); 5] = [
+        let families: [(&str, &str, MetricType, Value); 7] = [
             (
                 "discovery_backends",
                 "Backends each discovery source gives the fleet (its last good answer)",
@@ -737,6 +751,18 @@ impl Collector for DiscoveryCollector {
                 "Failed resolutions or reads per discovery source (DNS error or timeout, unreadable file)",
                 MetricType::Counter,
                 |s| Some(s.errors as f64),
+            ),
+            (
+                "discovery_left_out_backends",
+                "Backends a discovery source lists that the fleet left out (past its limit of 1024)",
+                MetricType::Gauge,
+                |s| Some(s.left_out as f64),
+            ),
+            (
+                "discovery_handover_backends",
+                "Backends a discovery source no longer lists that serve until its new ones passed a probe",
+                MetricType::Gauge,
+                |s| Some(s.handing_over as f64),
             ),
         ];
         for (name, help, kind, value) in families {

@@ -530,3 +530,192 @@ fn a_reload_adds_and_drops_a_source() {
     std::fs::remove_file(&list).ok();
     std::fs::remove_file(&config).ok();
 }
+
+/// Puts `make`'s result at `path` in one rename, as a config manager swaps
+/// a file: readers see the old thing or the new, never a half-written one.
+fn swap_in(path: &std::path::Path, make: impl FnOnce(&std::path::Path)) {
+    let tmp = path.with_extension("new");
+    let _ = std::fs::remove_file(&tmp);
+    make(&tmp);
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+fn temp_path(name: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("router-discovery-{name}-{}", std::process::id()))
+}
+
+#[test]
+fn a_device_or_a_pipe_in_place_of_the_file_is_refused_and_the_source_recovers() {
+    let e = SimEngine::fleet(2, ENGINE);
+    let path = temp_path("special.txt");
+    std::fs::write(&path, format!("{}\n", e[0].url())).unwrap();
+    let toml = router_toml(&format!(
+        "[[discovery.file]]\npath = \"{}\"\ninterval_ms = 100\n",
+        path.display()
+    ));
+    let r = Router::spawn(&[], &[], &toml);
+    wait_until("the file's engine is healthy", || healthy(&r, &e[0].url()));
+    let chat_ok = || {
+        let body = json!({"messages": [{"role": "user", "content": "still served"}]});
+        let resp = post_json(r.addr, "/v1/chat/completions", &body).unwrap();
+        assert_eq!(resp.status, 200, "{}", resp.text());
+    };
+    let rss_before = r.rss_kib();
+
+    // A symlink to /dev/zero: it reports 0 bytes and never ends. Refused
+    // before a byte is read; the router's memory does not move.
+    swap_in(&path, |p| {
+        std::os::unix::fs::symlink("/dev/zero", p).unwrap()
+    });
+    let started = Instant::now();
+    let mut peak = 0;
+    while logged(&r, "a character device, not a regular file") == 0 {
+        peak = peak.max(r.rss_kib());
+        assert!(
+            peak < rss_before + 64 * 1024,
+            "RSS grew from {rss_before} KiB to {peak} KiB reading /dev/zero"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the device was not refused: {}",
+            r.child.stderr_tail(2048)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    peak = peak.max(r.rss_kib());
+    assert!(
+        peak < rss_before + 64 * 1024,
+        "RSS {rss_before} -> {peak} KiB"
+    );
+    assert_eq!(
+        logged(&r, "discovery failed"),
+        1,
+        "one log line while it repeats"
+    );
+    assert_eq!(urls(&r), [e[0].url()], "the last good list stays");
+    chat_ok();
+
+    // The real file back, naming the other engine: the source recovers.
+    swap_in(&path, |p| {
+        std::fs::write(p, format!("{}\n", e[1].url())).unwrap()
+    });
+    wait_until("the source recovers from the device", || {
+        urls(&r) == [e[1].url()] && healthy(&r, &e[1].url())
+    });
+
+    // A named pipe nobody writes: opening it would block the reader.
+    swap_in(&path, |p| {
+        let made = std::process::Command::new("mkfifo").arg(p).status();
+        assert!(made.is_ok_and(|s| s.success()), "mkfifo");
+    });
+    wait_until("the pipe is refused", || {
+        logged(&r, "a named pipe, not a regular file") >= 1
+    });
+    chat_ok();
+    swap_in(&path, |p| {
+        std::fs::write(p, format!("{}\n", e[0].url())).unwrap()
+    });
+    wait_until("the source recovers from the pipe", || {
+        urls(&r) == [e[0].url()] && healthy(&r, &e[0].url())
+    });
+    chat_ok();
+    let m = r.metrics();
+    let up = format!(
+        "prefix_router_discovery_up{{source=\"file:{}\"}} 1",
+        path.display()
+    );
+    assert!(m.contains(&up), "{up} not in\n{m}");
+    std::fs::remove_file(&path).ok();
+}
+
+#[test]
+fn past_the_backend_limit_the_sources_order_decides_and_healthy_backends_stay() {
+    const DEAD: usize = 5_000;
+    const LIMIT: usize = 1_024;
+    let e = engine_on("live", "127.0.0.1:0");
+    // Addresses nothing listens on, that sort before the live engine's
+    // (`127.0.0.1N:` < `127.0.0.1:`).
+    let dead: Vec<String> = (0..DEAD)
+        .map(|i| format!("http://127.0.0.{}:{}", 10 + i / 500, 1 + i % 500))
+        .collect();
+    let path = temp_path("limit.txt");
+    std::fs::write(&path, format!("{}\n{}\n", e.url(), dead.join("\n"))).unwrap();
+    // Probes once a second: a thousand probers on two cores.
+    let toml = format!(
+        "[health]\ninterval_ms = 1000\ntimeout_ms = 500\n\n[discovery]\ntimeout_ms = 2000\n\
+         [[discovery.file]]\npath = \"{}\"\ninterval_ms = 200\n",
+        path.display()
+    );
+    let r = Router::spawn(&[], &[], &toml);
+    wait_until("the file's first line, the live engine, is healthy", || {
+        healthy(&r, &e.url())
+    });
+    assert_eq!(r.backends().len(), LIMIT);
+    for i in 0..5 {
+        let body = json!({"messages": [{"role": "user", "content": format!("limit {i}")}]});
+        let resp = post_json(r.addr, "/v1/chat/completions", &body).unwrap();
+        assert_eq!(resp.status, 200, "{}", resp.text());
+    }
+    let source = format!("file:{}", path.display());
+    let state = || {
+        let resp = testkit::http::request(r.admin, "GET", "/admin/backends", &[], b"").unwrap();
+        resp.json()["discovery"][&source].clone()
+    };
+    let st = state();
+    assert_eq!(st["left_out"], DEAD + 1 - LIMIT, "{st}");
+    assert_eq!(st["left_out_first"][0], dead[LIMIT - 1], "{st}");
+    let line = format!(
+        "prefix_router_discovery_left_out_backends{{source=\"{source}\"}} {}",
+        DEAD + 1 - LIMIT
+    );
+    assert!(r.metrics().contains(&line), "{line}");
+    assert_eq!(logged(&r, "discovered backends left out"), 1);
+
+    // The live engine moves to the last line, under one more dead line at
+    // the top: healthy, it is not dropped for a dead one.
+    let text = format!("http://127.0.0.9:1\n{}\n{}\n", dead.join("\n"), e.url());
+    std::fs::write(&path, text).unwrap();
+    wait_until("the new order is read", || {
+        state()["left_out_first"][0] == dead[LIMIT - 2]
+    });
+    assert!(healthy(&r, &e.url()));
+    let body = json!({"messages": [{"role": "user", "content": "still here"}]});
+    let resp = post_json(r.addr, "/v1/chat/completions", &body).unwrap();
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    std::fs::remove_file(&path).ok();
+}
+
+#[test]
+fn a_source_replacing_its_whole_list_never_leaves_the_fleet_without_a_backend() {
+    const SWAPS: usize = 12;
+    let e = SimEngine::fleet(4, ENGINE);
+    let path = temp_path("swap.txt");
+    std::fs::write(&path, format!("{}\n", e[0].url())).unwrap();
+    let toml = router_toml(&format!(
+        "[[discovery.file]]\npath = \"{}\"\ninterval_ms = 100\n",
+        path.display()
+    ));
+    let r = Router::spawn(&[], &[], &toml);
+    wait_until("the first engine is healthy", || healthy(&r, &e[0].url()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients = workload(r.addr, stop.clone());
+    // Each swap names an engine the fleet does not hold: the whole list
+    // is replaced at once.
+    for i in 1..=SWAPS {
+        let next = &e[i % e.len()];
+        swap_in(&path, |p| {
+            std::fs::write(p, format!("{}\n", next.url())).unwrap()
+        });
+        wait_until("the swap is handed over", || urls(&r) == [next.url()]);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let statuses = finish(&stop, clients);
+    assert_all_ok(&statuses);
+    assert!(
+        logged(&r, "handover done") >= SWAPS,
+        "{}",
+        r.child.stderr_tail(4096)
+    );
+    std::fs::remove_file(&path).ok();
+}

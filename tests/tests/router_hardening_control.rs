@@ -604,3 +604,80 @@ fn a_short_hostile_soak_keeps_normal_traffic_whole_and_health_checks_live() {
         "trickler taken out"
     );
 }
+
+#[test]
+fn the_engine_kind_is_read_until_known_and_follows_a_changed_slot_count() {
+    use testkit::fake_backend::{FakeBackend as Fake, respond};
+    // What `/props` answers: 0 a llama-server still loading its model
+    // (503), 1 slow (3 s, past the probe timeout), 2 four slots, 3 two.
+    let mode = Arc::new(AtomicUsize::new(0));
+    let m = mode.clone();
+    let fake = Fake::spawn(move |req, s| {
+        let json = "content-type: application/json\r\n";
+        match (req.target.as_str(), m.load(Relaxed)) {
+            ("/props", 0) => respond(
+                s,
+                503,
+                json,
+                br#"{"error":{"code":503,"message":"Loading model"}}"#,
+            ),
+            ("/props", 1) => {
+                std::thread::sleep(Duration::from_secs(3));
+                respond(s, 200, json, br#"{"total_slots":4}"#)
+            }
+            ("/props", 2) => respond(s, 200, json, br#"{"total_slots":4}"#),
+            ("/props", _) => respond(s, 200, json, br#"{"total_slots":2}"#),
+            _ => respond(s, 404, json, b"{}"),
+        };
+        false
+    });
+    let props = || fake.log().iter().filter(|r| r.target == "/props").count();
+    let r = Router::spawn(
+        &[fake.url()],
+        &[],
+        "[health]\ninterval_ms = 100\ntimeout_ms = 500\n",
+    );
+    let kind = || {
+        let b = r.backend(&fake.url());
+        (
+            b["engine"].as_str().unwrap().to_owned(),
+            b["slots"].as_u64(),
+        )
+    };
+    let wait_kind = |want: (&str, u64)| {
+        let deadline = Instant::now() + SETTLE;
+        while kind() != (want.0.to_owned(), Some(want.1)) {
+            assert!(
+                Instant::now() < deadline,
+                "the engine is {:?}, not {want:?}; /props asked {} times",
+                kind(),
+                props()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    // Loading, then slow: not known yet, a block cache meanwhile, asked again.
+    let deadline = Instant::now() + SETTLE;
+    while props() < 3 {
+        assert!(Instant::now() < deadline, "/props asked {} times", props());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(kind(), ("blocks".to_owned(), Some(0)));
+    mode.store(1, Relaxed);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(kind(), ("blocks".to_owned(), Some(0)));
+    // Loaded: known at a following probe.
+    mode.store(2, Relaxed);
+    wait_kind(("slots", 4));
+    // Known: asked again every few seconds, not at every probe (10 a second).
+    let before = props();
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(props() - before <= 2, "{} asks in 2 s", props() - before);
+    // Restarted with another slot count, never seen down: followed.
+    mode.store(3, Relaxed);
+    wait_kind(("slots", 2));
+    // An answer that tells nothing changes nothing known.
+    mode.store(0, Relaxed);
+    std::thread::sleep(Duration::from_secs(6));
+    assert_eq!(kind(), ("slots".to_owned(), Some(2)));
+}

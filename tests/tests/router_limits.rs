@@ -201,3 +201,74 @@ fn connections_over_the_limit_get_503_and_are_closed() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// Sends `head` and then `body` as a client that writes its whole request
+/// before it reads does, at about `mb_per_s` (an upload over a real link,
+/// or a busy client); returns whether every byte was written, and what the
+/// router answered.
+fn send_whole_then_read(
+    addr: std::net::SocketAddr,
+    head: &str,
+    body: &[u8],
+    mb_per_s: u64,
+) -> (Result<(), String>, Vec<u8>) {
+    const PIECE: usize = 256 * 1024;
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(SETTLE)).unwrap();
+    s.set_write_timeout(Some(SETTLE)).unwrap();
+    let started = Instant::now();
+    let mut sent = s.write_all(head.as_bytes()).map_err(|e| e.to_string());
+    for (i, piece) in body.chunks(PIECE).enumerate() {
+        if sent.is_err() {
+            break;
+        }
+        let due = Duration::from_micros((i * PIECE) as u64 / mb_per_s);
+        std::thread::sleep(due.saturating_sub(started.elapsed()));
+        sent = s.write_all(piece).map_err(|e| e.to_string());
+    }
+    (sent, read_to_close(&mut s))
+}
+
+#[test]
+fn a_body_over_the_limit_gets_413_that_the_client_reads() {
+    let e = SimEngine::spawn(&["--time-scale", "0"]);
+    let r = Router::spawn(&[e.url()], &[], "");
+    let len = 51 * 1000 * 1000;
+    let body = vec![b'x'; len];
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n\
+         content-length: {len}\r\n\r\n"
+    );
+    let (sent, got) = send_whole_then_read(r.addr, &head, &body, 12);
+    let text = String::from_utf8_lossy(&got);
+    assert!(
+        text.starts_with("HTTP/1.1 413"),
+        "sent: {sent:?}; got: {text:?}"
+    );
+    assert!(sent.is_ok(), "the client's write broke: {sent:?}");
+    let json_body = &text[text.find("\r\n\r\n").unwrap() + 4..];
+    let v: serde_json::Value = serde_json::from_str(json_body).unwrap();
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("limit"),
+        "{v}"
+    );
+    // Chunked: the limit is found after 32 MiB were read.
+    let mut chunked = Vec::with_capacity(len + 1024);
+    for piece in body.chunks(1 << 20) {
+        chunked.extend_from_slice(format!("{:x}\r\n", piece.len()).as_bytes());
+        chunked.extend_from_slice(piece);
+        chunked.extend_from_slice(b"\r\n");
+    }
+    chunked.extend_from_slice(b"0\r\n\r\n");
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n\
+         transfer-encoding: chunked\r\n\r\n";
+    let (sent, got) = send_whole_then_read(r.addr, head, &chunked, 12);
+    let text = String::from_utf8_lossy(&got);
+    assert!(
+        text.starts_with("HTTP/1.1 413"),
+        "sent: {sent:?}; got: {text:?}"
+    );
+    assert!(sent.is_ok(), "the client's write broke: {sent:?}");
+    // Still serving.
+    assert_eq!(post_chat(r.addr, "after").status, 200);
+}

@@ -435,3 +435,117 @@ fn reloads_bring_new_backends_models_and_pins_in() {
     );
     let _ = std::fs::remove_file(&path);
 }
+
+/// Writes a `/v1/models` answer of `len` bytes announced, then its bytes
+/// one per `every`, until the peer leaves or 64 were written.
+fn trickle(s: &mut TcpStream, len: usize, every: Duration) -> bool {
+    use std::io::Write;
+    let head = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len}\r\n\r\n"
+    );
+    if s.write_all(head.as_bytes()).is_err() {
+        return false;
+    }
+    for _ in 0..64 {
+        std::thread::sleep(every);
+        if s.write_all(b" ").is_err() {
+            break;
+        }
+    }
+    false
+}
+
+#[test]
+fn model_names_are_checked_and_oversized_or_slow_lists_are_warned_about_once() {
+    let json = "content-type: application/json\r\n";
+    let other = move |req: &FakeRequest, s: &mut TcpStream| {
+        if req.target == "/metrics" || req.target == "/props" {
+            return respond(s, 404, json, b"{}");
+        }
+        respond(s, 200, json, br#"{"choices":[{"message":{"content":"ok"}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}"#)
+    };
+    // A good name beside a 100 KB one and ones with ESC, NUL and CR.
+    let hostile = FakeBackend::spawn(move |req, s| {
+        if req.target != "/v1/models" {
+            return other(req, s);
+        }
+        let body = json!({"object": "list", "data": [
+            {"id": "good-model", "object": "model"},
+            {"id": "x".repeat(100_000), "object": "model"},
+            {"id": "esc\u{1b}[2J", "object": "model"},
+            {"id": "nul\u{0}", "object": "model"},
+            {"id": "cr\rprefix_router_fake 1", "object": "model"},
+        ]});
+        respond(s, 200, json, body.to_string().as_bytes())
+    });
+    // A 50 MB list, and one that trickles.
+    let huge = FakeBackend::spawn(move |req, s| {
+        if req.target != "/v1/models" {
+            return other(req, s);
+        }
+        trickle(s, 50_000_000, Duration::ZERO)
+    });
+    let slow = FakeBackend::spawn(move |req, s| {
+        if req.target != "/v1/models" {
+            return other(req, s);
+        }
+        trickle(s, 64, Duration::from_millis(100))
+    });
+    let r = Router::spawn(
+        &[hostile.url(), huge.url(), slow.url()],
+        &[],
+        "[health]\ninterval_ms = 100\ntimeout_ms = 500\n",
+    );
+    wait_models(&r, &["good-model"]);
+    let listed = request(r.addr, "GET", "/v1/models", &[], b"").unwrap();
+    assert!(listed.body.len() < 1024, "{} bytes", listed.body.len());
+    let problem = r.backend(&hostile.url())["models_problem"].clone();
+    assert!(
+        problem
+            .as_str()
+            .is_some_and(|p| p.starts_with("4 entries skipped")),
+        "{problem}"
+    );
+    // Several probes later: each problem warned about once.
+    std::thread::sleep(Duration::from_millis(2000));
+    let m = r.metrics();
+    for bad in ['\u{1b}', '\u{0}', '\r'] {
+        assert!(!m.contains(bad), "{bad:?} in /metrics");
+    }
+    let longest = m.lines().map(str::len).max().unwrap_or(0);
+    assert!(longest < 1024, "a /metrics line of {longest} bytes");
+    assert!(m.contains("model=\"good-model\""));
+    let log = r.child.stderr_tail(1 << 20);
+    // (The log has escape sequences of its own: colours.)
+    for raw in ["esc\u{1b}[2J", "nul\u{0}", "cr\rprefix", &"x".repeat(1000)] {
+        assert!(!log.contains(raw), "{raw:?} in the log");
+    }
+    let warned = |url: &str, what: &str| {
+        log.lines()
+            .filter(|l| l.contains(url) && l.contains(what))
+            .count()
+    };
+    assert_eq!(warned(&hostile.url(), "skipping model names"), 1, "{log}");
+    assert_eq!(warned(&huge.url(), "too large or too slow"), 1, "{log}");
+    assert_eq!(warned(&slow.url(), "too large or too slow"), 1, "{log}");
+    let problem = r.backend(&huge.url())["models_problem"].clone();
+    assert!(
+        problem.as_str().is_some_and(|p| p.contains("body over")),
+        "{problem}"
+    );
+    let problem = r.backend(&slow.url())["models_problem"].clone();
+    assert!(
+        problem
+            .as_str()
+            .is_some_and(|p| p.contains("no whole answer")),
+        "{problem}"
+    );
+    // The good name routes.
+    let resp = post_json(
+        r.addr,
+        "/v1/chat/completions",
+        &chat(Some("good-model"), 0, false),
+    )
+    .unwrap();
+    assert_eq!(resp.status, 200, "{}", resp.text());
+}

@@ -136,6 +136,8 @@ fn backends_json(router: &Router) -> serde_json::Value {
                 "engine": if b.slots.is_slot_engine() { "slots" } else { "blocks" },
                 // What it serves, listed or pinned; null while unknown.
                 "models": models.models_of(b.slot, b.generation),
+                // Why its last `/v1/models` answer was not (wholly) believed.
+                "models_problem": router.models.problem(b.generation),
                 "slots": b.slots.count(),
                 "learned_capacity_blocks": b.feedback.capacity(),
                 "capacity_known": b.feedback.capacity_known(),

@@ -1,8 +1,9 @@
 //! Backend health: active probes with hysteresis (a backend flips only after
 //! `rise` or `fall` results in a row, and the flip is logged once), passive
 //! ejection on failed requests, the engine's KV capacity read from its
-//! `/metrics`, its kind (block cache or slots) from `/props`, and its models
-//! from `/v1/models` (`models`). Every backend is probed by a thread of its
+//! `/metrics`, its kind (block cache or slots) from `/props` (read until
+//! known, then again every few seconds and after it was down:
+//! `engine_kind`), and its models from `/v1/models` (`models`). Every backend is probed by a thread of its
 //! own, each probe bounded as a whole by `health.timeout_ms` (see `probe`),
 //! so no backend can delay another's checks.
 
@@ -76,6 +77,7 @@ fn in_fleet(router: &Router, b: &Arc<Backend>) -> bool {
 /// Probes `b` every `health.interval_ms` (start to start; a probe takes at
 /// most `health.timeout_ms`) until a reload removes it.
 fn run_prober(router: &Router, b: &Arc<Backend>) {
+    let mut kind = engine_kind::Schedule::default();
     while in_fleet(router, b) {
         let interval = router.config.load().health.interval_ms;
         if interval == 0 {
@@ -87,7 +89,7 @@ fn run_prober(router: &Router, b: &Arc<Backend>) {
         // A backend removed while its probe ran has left the index already,
         // and its slot may be someone else's now.
         if in_fleet(router, b) {
-            apply(router, b, result);
+            apply(router, b, result, &mut kind);
         }
         std::thread::sleep(ms(interval).saturating_sub(started.elapsed()));
     }
@@ -104,7 +106,12 @@ fn probe(router: &Router, b: &Backend) -> Result<(), String> {
     }
 }
 
-fn apply(router: &Router, b: &Backend, result: Result<(), String>) {
+fn apply(
+    router: &Router,
+    b: &Backend,
+    result: Result<(), String>,
+    kind: &mut engine_kind::Schedule,
+) {
     b.stats.probed(result.is_ok());
     let cfg = router.config.load();
     let h = &cfg.health;
@@ -120,16 +127,16 @@ fn apply(router: &Router, b: &Backend, result: Result<(), String>) {
             if cfg.prefix.read_kv_capacity && b.feedback.first_capacity_lookup() {
                 read_capacity(router, b);
             }
-            if b.slots.first_detection() {
-                engine_kind::detect(router, b, ms(h.timeout_ms));
-            }
+            kind.check(router, b, ms(h.timeout_ms));
             models::refresh(router, b, ms(h.timeout_ms));
         }
         (Err(why), flip) => {
             debug!(backend = %b.url, path = %h.path, error = %why, "health probe failed");
             if flip == Some(Flip::Down) {
                 router.index.clear_backend(b.slot);
-                b.slots.redetect();
+                // It may come back another engine, or with another `-np`.
+                b.slots.clear();
+                kind.now();
                 warn!(backend = %b.url, path = %h.path, failures = h.fall, last = %why, "backend failed health checks; taken out");
             }
         }

@@ -44,6 +44,40 @@ pub const MAX_MODEL_LABELS: usize = 256;
 /// [`MAX_MODEL_LABELS`].
 pub const OTHER_LABEL: &str = "(other)";
 
+/// Longest model or adapter name believed from a backend. Names reach
+/// `/v1/models`, a `/metrics` label and the logs: a Hugging Face id is
+/// under 100 bytes, an engine serving a model by its path a few hundred at
+/// most. Longer names are skipped, not cut (a cut name serves nothing).
+pub const MAX_NAME_BYTES: usize = 512;
+
+/// Why `name` may not be published as a model name: empty, longer than
+/// [`MAX_NAME_BYTES`], or holding a control character (NUL, ESC, CR, LF,
+/// DEL, C1) or an invisible one that changes how text around it reads
+/// (line and paragraph separators, bidirectional overrides, a BOM), which
+/// would reach `/metrics` and terminals raw.
+pub fn check_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("an empty name".into());
+    }
+    if name.len() > MAX_NAME_BYTES {
+        return Err(format!(
+            "a name of {} bytes, more than {MAX_NAME_BYTES}",
+            name.len()
+        ));
+    }
+    let hidden = |c: char| {
+        c.is_control()
+            || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}' | '\u{feff}')
+    };
+    if let Some((at, c)) = name.char_indices().find(|(_, c)| hidden(*c)) {
+        return Err(format!(
+            "a name with the control character U+{:04X} at byte {at}",
+            u32::from(c)
+        ));
+    }
+    Ok(())
+}
+
 /// Bytes of a request's model name echoed in a 404 (a name is short; a
 /// client sending a huge one gets it cut).
 const ECHO_BYTES: usize = 128;
@@ -584,6 +618,11 @@ impl Models {
             None => inner.problems.remove(&generation).is_some(),
             Some(p) => inner.problems.insert(generation, p.clone()).as_ref() != Some(&p),
         }
+    }
+
+    /// The problem last noted for the backend of `generation`, if any.
+    pub fn problem(&self, generation: u64) -> Option<String> {
+        self.lock().problems.get(&generation).cloned()
     }
 
     /// Records what discovery found; `true` when it changed.

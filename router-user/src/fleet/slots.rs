@@ -99,10 +99,6 @@ pub struct SlotCache {
     /// Slots modelled; 0 while the backend is not known to be a slot engine.
     count: AtomicUsize,
     slots: Box<[Slot]>,
-    /// Whether the engine kind was looked up (first good probe, and again
-    /// after it comes back from down: it may have restarted with another
-    /// `-np`).
-    detected: AtomicBool,
 }
 
 impl Default for SlotCache {
@@ -110,7 +106,6 @@ impl Default for SlotCache {
         SlotCache {
             count: AtomicUsize::new(0),
             slots: (0..MAX_SLOTS).map(|_| Slot::default()).collect(),
-            detected: AtomicBool::new(false),
         }
     }
 }
@@ -143,25 +138,15 @@ impl SlotCache {
     }
 
     /// Models `n` slots (capped at [`MAX_SLOTS`]); 0 turns the model off.
-    /// Forgets what the slots held when the count changes.
-    pub fn set_count(&self, n: usize) {
+    /// Forgets what the slots held when the count changes. Returns the
+    /// count before.
+    pub fn set_count(&self, n: usize) -> usize {
         let n = n.min(MAX_SLOTS);
-        if self.count.swap(n, Relaxed) != n {
+        let before = self.count.swap(n, Relaxed);
+        if before != n {
             self.clear();
         }
-    }
-
-    /// True once after start and after each [`SlotCache::redetect`]: the
-    /// caller looks the engine kind up then.
-    pub fn first_detection(&self) -> bool {
-        !self.detected.swap(true, Relaxed)
-    }
-
-    /// The engine went down: forget its slots and look its kind up again
-    /// when it is back.
-    pub fn redetect(&self) {
-        self.clear();
-        self.detected.store(false, Relaxed);
+        before
     }
 
     /// Forgets every slot's prompt (the engine restarted or was ejected).

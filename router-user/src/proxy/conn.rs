@@ -44,7 +44,7 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: SocketAddr) {
                     if write_all(&mut c.stream, &mut resp, write).await.is_ok()
                         && matches!(e.kind, Kind::BodyTooLarge | Kind::Unavailable)
                     {
-                        linger(&mut c).await;
+                        linger(&cfg, &mut c).await;
                     }
                 }
                 break;

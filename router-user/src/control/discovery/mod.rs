@@ -11,7 +11,8 @@
 //! of the error; an empty answer (NXDOMAIN, no records, a file without
 //! backends) replaces it only when it repeats `discovery.empty_after` times
 //! in a row. A changed list goes to `membership`, the path reloads take:
-//! new backends are probed before they get traffic, removed ones drained.
+//! new backends are probed before they get traffic, removed ones drained
+//! once the new ones took over (`Membership::settle`, every tick).
 
 mod dns;
 mod file;
@@ -36,7 +37,8 @@ const TICK: Duration = Duration::from_millis(250);
 /// What one poll of a source found.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Answer {
-    /// These backends (`http://host:port`, sorted).
+    /// These backends (`http://host:port`), in the source's order: a
+    /// file's lines, DNS answers sorted.
     Found(Vec<String>),
     /// None: NXDOMAIN, no records, a file without backend lines.
     Empty,
@@ -198,6 +200,7 @@ fn run(router: &Router, membership: &Membership, rt: &tokio::runtime::Runtime) {
                 f.interval_ms,
             );
         }
+        membership.settle(router);
         let next = sources.values().filter_map(|s| s.next_due).min();
         let sleep = next.map_or(TICK, |t| {
             t.saturating_duration_since(Instant::now()).min(TICK)
