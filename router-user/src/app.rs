@@ -12,7 +12,7 @@ use tracing::{error, info};
 
 use crate::config::{Config, ms};
 use crate::control::membership::Membership;
-use crate::control::{admin, discovery, health, loadview, logging, reload};
+use crate::control::{admin, discovery, health, loadview, logging, reload, replicas};
 use crate::proxy::listener;
 use crate::shared::Router;
 
@@ -57,6 +57,7 @@ pub fn run(
     health::spawn_checker(router.clone());
     let membership = Arc::new(Membership::default());
     discovery::spawn(router.clone(), membership.clone()).context("starting discovery")?;
+    replicas::spawn(router.clone()).context("replicas")?;
     if let Some(addr) = cfg.admin.listen {
         let (r, c, m) = (router.clone(), reread.clone(), membership.clone());
         admin::start(

@@ -12,6 +12,7 @@ pub mod discovery;
 pub mod ebpf;
 pub mod models;
 pub mod precise;
+pub mod replicas;
 
 use crate::fleet::MAX_BACKENDS;
 use crate::fleet::slots::EngineKind;
@@ -49,6 +50,8 @@ pub struct Config {
     pub pools: Vec<models::PoolConfig>,
     /// Backends from DNS names and files, besides `backends` (`[discovery]`).
     pub discovery: discovery::DiscoveryConfig,
+    /// Router replicas sharing what they learn (`[replicas]`, off by default).
+    pub replicas: replicas::ReplicasConfig,
     /// Add `x-prefix-router-backend` and `x-prefix-router-matched-blocks` to
     /// responses, keep the engine's identity headers (`server`,
     /// `x-engine-id`), and put the internal detail (backend URL, OS error)
@@ -76,6 +79,7 @@ impl Default for Config {
             models: models::ModelsConfig::default(),
             pools: Vec::new(),
             discovery: discovery::DiscoveryConfig::default(),
+            replicas: replicas::ReplicasConfig::default(),
             debug_headers: false,
         }
     }
@@ -558,6 +562,7 @@ impl Config {
             );
         }
         self.discovery.validate()?;
+        self.replicas.validate()?;
         if self.backends.len() > MAX_BACKENDS {
             bail!(
                 "{} backends configured; at most {MAX_BACKENDS} are supported",

@@ -19,4 +19,5 @@ pub mod policy;
 pub mod precise;
 pub mod prompt;
 pub(crate) mod proxy;
+pub mod replica;
 pub(crate) mod shared;

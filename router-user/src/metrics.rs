@@ -29,6 +29,8 @@ use crate::fleet::models::{Models, TTFT_BUCKETS};
 use crate::policy::select::{Choice, Decision};
 use crate::precise::Precise;
 use crate::precise::metrics::PreciseCollector;
+use crate::replica::Replica;
+use crate::replica::status::PeerPhase;
 
 /// Label values are the enums' own names.
 macro_rules! label_value {
@@ -175,6 +177,8 @@ pub struct Sources {
     pub precise: Option<Arc<Precise>>,
     /// Per-model counters (`fleet::models`), labelled by model name.
     pub models: Arc<Models>,
+    /// Replicas, when on: this replica's stream and its peers'.
+    pub replica: Option<Arc<Replica>>,
 }
 
 impl Metrics {
@@ -267,6 +271,9 @@ impl Metrics {
                 precise,
                 fleet: sources.fleet.clone(),
             }));
+        }
+        if let Some(replica) = sources.replica.clone() {
+            registry.register_collector(Box::new(ReplicaCollector(replica)));
         }
         registry.register_collector(Box::new(FleetCollector(sources)));
         let discovery = Arc::new(DiscoveryStatus::default());
@@ -552,6 +559,7 @@ impl Collector for FleetCollector {
             fleet,
             index,
             precise: _,
+            replica: _,
             models,
         } = &self.0;
         let policy = config.load().policy.name();
@@ -773,6 +781,136 @@ impl Collector for DiscoveryCollector {
                 let l = SourceLabels {
                     source: source.clone(),
                 };
+                match kind {
+                    MetricType::Counter => {
+                        ConstCounter::new(v as u64).encode(family.encode_family(&l)?)?
+                    }
+                    _ => ConstGauge::new(v).encode(family.encode_family(&l)?)?,
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct PeerLabels {
+    peer: String,
+}
+
+/// Reads the replica's stream and its peers' at scrape time.
+#[derive(Debug)]
+struct ReplicaCollector(Arc<Replica>);
+
+impl Collector for ReplicaCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let r = &self.0;
+        let s = &r.status;
+        let own: [(&str, &str, MetricType, f64); 5] = [
+            (
+                "replica_warm",
+                "1 once the replica caught up from a peer's snapshot (or none answered in time)",
+                MetricType::Gauge,
+                if s.is_warm() { 1.0 } else { 0.0 },
+            ),
+            (
+                "replica_published_messages",
+                "Messages this replica published to its peers",
+                MetricType::Counter,
+                s.published_messages.load(Relaxed) as f64,
+            ),
+            (
+                "replica_published_bytes",
+                "Bytes this replica published to its peers (each subscriber receives them all)",
+                MetricType::Counter,
+                s.published_bytes.load(Relaxed) as f64,
+            ),
+            (
+                "replica_outbox_dropped",
+                "Messages dropped because the outbox to the publisher was full",
+                MetricType::Counter,
+                r.outbox.dropped() as f64,
+            ),
+            (
+                "replica_snapshot_blocks",
+                "Index blocks restored from a peer's snapshot at start",
+                MetricType::Gauge,
+                s.snapshot_blocks.load(Relaxed) as f64,
+            ),
+        ];
+        for (name, help, kind, v) in own {
+            let help = format!("{help}.");
+            let family = encoder.encode_descriptor(name, &help, None, kind)?;
+            match kind {
+                MetricType::Counter => ConstCounter::new(v as u64).encode(family)?,
+                _ => ConstGauge::new(v).encode(family)?,
+            }
+        }
+        let peers = s.peers();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        type Value = fn(&crate::replica::status::PeerState, f64) -> Option<f64>;
+        let families: [(&str, &str, MetricType, Value); 8] = [
+            (
+                "replica_peer_up",
+                "1 while the peer's stream is live (0 connecting or stalled; the replica's own address is not listed)",
+                MetricType::Gauge,
+                |p, _| Some(if p.phase == PeerPhase::Live { 1.0 } else { 0.0 }),
+            ),
+            (
+                "replica_peer_lag_seconds",
+                "Seconds since the peer's last message (it sends one at least every 100 ms)",
+                MetricType::Gauge,
+                |p, now| p.last_message_unix.map(|t| (now - t).max(0.0)),
+            ),
+            (
+                "replica_peer_messages",
+                "Messages applied from the peer",
+                MetricType::Counter,
+                |p, _| Some(p.messages as f64),
+            ),
+            (
+                "replica_peer_bytes",
+                "Bytes received from the peer",
+                MetricType::Counter,
+                |p, _| Some(p.bytes as f64),
+            ),
+            (
+                "replica_peer_gaps",
+                "Messages of the peer's stream missed (sequence numbers skipped)",
+                MetricType::Counter,
+                |p, _| Some(p.gaps as f64),
+            ),
+            (
+                "replica_peer_restarts",
+                "Times the peer came back under a new id",
+                MetricType::Counter,
+                |p, _| Some(p.restarts as f64),
+            ),
+            (
+                "replica_peer_unauthenticated",
+                "Frames from the peer's address not signed with the shared key, dropped",
+                MetricType::Counter,
+                |p, _| Some(p.unauthenticated as f64),
+            ),
+            (
+                "replica_peer_malformed",
+                "Signed frames from the peer that did not parse, dropped",
+                MetricType::Counter,
+                |p, _| Some(p.malformed as f64),
+            ),
+        ];
+        for (name, help, kind, value) in families {
+            let help = format!("{help}.");
+            let mut family = encoder.encode_descriptor(name, &help, None, kind)?;
+            for (peer, p) in &peers {
+                if p.phase == PeerPhase::Myself {
+                    continue;
+                }
+                let Some(v) = value(p, now) else { continue };
+                let l = PeerLabels { peer: peer.clone() };
                 match kind {
                     MetricType::Counter => {
                         ConstCounter::new(v as u64).encode(family.encode_family(&l)?)?

@@ -24,6 +24,7 @@ use crate::precise::subscriber::Subscriber;
 use crate::prompt::extract::Endpoint;
 use crate::prompt::hash::{block_hashes_pieces, cold_key};
 use crate::prompt::scan::{Canonical, scan};
+use crate::replica::Replica;
 
 pub struct Router {
     pub config: Arc<ArcSwap<Config>>,
@@ -42,6 +43,9 @@ pub struct Router {
     pub precise: Option<Arc<Precise>>,
     /// The event subscriptions, by slot.
     subscribers: std::sync::Mutex<Vec<Option<Subscriber>>>,
+    /// Replicas (`[replicas] listen`, read at start): what this router
+    /// tells its peers (drained by `control::replicas`) and knows of them.
+    pub replica: Option<Arc<Replica>>,
 }
 
 /// Retries across all requests are capped at `retry.budget_percent` of
@@ -207,6 +211,10 @@ impl Router {
                 index.clone(),
             ))
         });
+        let replica = config
+            .replicas
+            .enabled()
+            .then(|| Arc::new(Replica::new(replica_id())));
         let config = Arc::new(ArcSwap::from_pointee(config));
         let fleet = Arc::new(ArcSwap::from_pointee(Fleet { backends }));
         let metrics = Metrics::new(Sources {
@@ -215,8 +223,10 @@ impl Router {
             index: index.clone(),
             precise: precise.clone(),
             models: models.clone(),
+            replica: replica.clone(),
         });
         let router = Arc::new(Router {
+            replica,
             models,
             precise,
             subscribers: std::sync::Mutex::new(Vec::new()),
@@ -537,10 +547,11 @@ impl Router {
         }
     }
 
-    /// Records that `backend` was sent the prompt with these block hashes.
-    /// Returns the clock stamp its blocks took in the index, for the
-    /// request's `InFlight::pin`.
-    pub fn learn(&self, backend: &Backend, blocks: &mut PromptBlocks) -> Option<u64> {
+    /// Records that `backend` was sent the prompt with these block hashes,
+    /// `prefill` of them to compute, and tells the peer replicas. Returns
+    /// the clock stamp its blocks took in the index, for the request's
+    /// `InFlight::pin`.
+    pub fn learn(&self, backend: &Backend, blocks: &mut PromptBlocks, prefill: u32) -> Option<u64> {
         blocks.ages.clear();
         blocks.slot = None;
         if let Some(p) = &self.precise
@@ -548,7 +559,15 @@ impl Router {
         {
             p.guard(backend.slot, &blocks.keys, p.now_ms());
         }
-        if blocks.hashes.is_empty() || !blocks.prefix {
+        let learned = blocks.prefix && !blocks.hashes.is_empty();
+        if let Some(r) = &self.replica
+            && (learned || !blocks.keys.is_empty())
+        {
+            let hashes: &[u64] = if learned { &blocks.hashes } else { &[] };
+            r.outbox
+                .sent(backend.id_hash, prefill, hashes, &blocks.keys);
+        }
+        if !learned {
             return None;
         }
         if backend.slots.is_slot_engine() {
@@ -585,6 +604,56 @@ impl Router {
             });
         Some(sent.now + blocks.hashes.len() as u64)
     }
+}
+
+impl Router {
+    /// A peer replica sent `backend` a prompt of these blocks (precise
+    /// mode's engine keys when it had them): learned as if sent from here,
+    /// but its ages are the peer's to measure.
+    pub fn learn_remote(&self, backend: &Backend, hashes: &[u64], keys: &[u64]) {
+        if let Some(p) = &self.precise
+            && !keys.is_empty()
+        {
+            p.guard(backend.slot, keys, p.now_ms());
+        }
+        if hashes.is_empty() {
+            return;
+        }
+        if backend.slots.is_slot_engine() {
+            let now = self.ticket.load(Relaxed);
+            let fleet = self.fleet.load();
+            let in_flight = backend.load.in_flight();
+            let p = backend
+                .slots
+                .predict(hashes, now, in_flight, fleet_slots(&fleet));
+            backend.slots.dispatched(p.slot, hashes, now);
+            for other in fleet.backends.iter().filter(|b| b.slot != backend.slot) {
+                other.slots.moved_away(hashes);
+            }
+            return;
+        }
+        self.index.insert(backend.slot, hashes);
+    }
+
+    /// A peer replica found `backend`'s engine flushed: it holds this
+    /// prompt and nothing else the index believed.
+    pub fn flushed_remote(&self, backend: &Backend, hashes: &[u64]) {
+        if backend.slots.is_slot_engine() {
+            return;
+        }
+        self.index.clear_backend(backend.slot);
+        self.index.insert(backend.slot, hashes);
+    }
+}
+
+/// A random id for this process's replica stream: a peer that sees it
+/// change knows the replica restarted.
+fn replica_id() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let stack = &t as *const u64 as u64;
+    xxhash_rust::xxh3::xxh3_64_with_seed(&t.to_le_bytes(), u64::from(std::process::id()) ^ stack)
 }
 
 /// A backend as the model table is built for it.
@@ -687,6 +756,9 @@ impl Router {
                 info!(backend = %backend.url, predicted, "engine held none of a prompt it was predicted to hold: forgetting what the index had of it");
                 self.index.clear_backend(slot);
                 self.index.insert(slot, &blocks.hashes);
+                if let Some(r) = &self.replica {
+                    r.outbox.flushed(backend.id_hash, &blocks.hashes);
+                }
             }
         }
     }

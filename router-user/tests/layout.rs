@@ -13,6 +13,7 @@ const MAY_USE: &[(&str, &[&str])] = &[
     ("http", &["error"]),
     ("prompt", &["error"]),
     ("policy", &[]),
+    ("replica", &[]),
     ("fleet", &["error", "policy"]),
     ("precise", &["error", "prompt", "fleet", "policy"]),
     (
@@ -21,32 +22,35 @@ const MAY_USE: &[(&str, &[&str])] = &[
     ),
     (
         "metrics",
-        &["error", "config", "prompt", "fleet", "policy", "precise"],
+        &[
+            "error", "config", "prompt", "fleet", "policy", "precise", "replica",
+        ],
     ),
     (
         "shared",
         &[
-            "error", "config", "prompt", "fleet", "policy", "precise", "metrics",
+            "error", "config", "prompt", "fleet", "policy", "precise", "metrics", "replica",
         ],
     ),
     (
         "proxy",
         &[
             "error", "http", "config", "prompt", "fleet", "policy", "precise", "metrics", "shared",
+            "replica",
         ],
     ),
     (
         "control",
         &[
             "error", "http", "config", "prompt", "fleet", "policy", "precise", "metrics", "shared",
-            "proxy",
+            "replica", "proxy",
         ],
     ),
     (
         "app",
         &[
             "error", "http", "config", "prompt", "fleet", "policy", "precise", "metrics", "shared",
-            "proxy", "control",
+            "replica", "proxy", "control",
         ],
     ),
 ];

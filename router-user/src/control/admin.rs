@@ -9,6 +9,7 @@ mod serve;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 
 use serde_json::json;
 use tracing::info;
@@ -72,7 +73,14 @@ fn handle(router: &Router, req: &Request, reload: &Reloader) -> Reply {
                 body: text,
             }
         }
+        // Readiness: a replica that has not caught up from its peers yet
+        // answers 503 (a single router is always ready).
+        ("GET", "/ready") => match &router.replica {
+            Some(r) if !r.status.is_warm() => Reply::text(503, "catching up from peers\n"),
+            _ => Reply::text(200, "ready\n"),
+        },
         ("GET", "/admin/backends") => Reply::json(200, &backends_json(router)),
+        ("GET", "/admin/replicas") => Reply::json(200, &replicas_json(router)),
         ("POST", "/admin/drain") | ("POST", "/admin/undrain") => {
             let drain = req.path.ends_with("/drain");
             let url = match param("backend") {
@@ -127,6 +135,9 @@ fn backends_json(router: &Router) -> serde_json::Value {
                 "draining": b.health.is_draining(),
                 "in_flight": load.in_flight(),
                 "queued_prefill_blocks": load.queued_prefill_blocks(),
+                // The peer replicas' work here, as they report it.
+                "peers_in_flight": load.remote.in_flight(),
+                "peers_queued_prefill_blocks": load.remote.queued_prefill_blocks(),
                 "open_connections": load.open_conns(),
                 "external_connections": load.external_conns(),
                 "resets_per_sec": load.resets_per_sec(),
@@ -168,7 +179,31 @@ fn backends_json(router: &Router) -> serde_json::Value {
         .into_iter()
         .map(|(k, v)| (k, json!(v)))
         .collect();
-    json!({ "policy": router.config.load().policy.name(), "backends": list, "discovery": discovery })
+    json!({
+        "policy": router.config.load().policy.name(),
+        "backends": list,
+        "discovery": discovery,
+        "replicas": replicas_json(router),
+    })
+}
+
+/// This replica's stream and each peer's (null without `[replicas]`).
+fn replicas_json(router: &Router) -> serde_json::Value {
+    let Some(r) = &router.replica else {
+        return serde_json::Value::Null;
+    };
+    let s = &r.status;
+    let peers: serde_json::Map<_, _> = s.peers().into_iter().map(|(k, v)| (k, json!(v))).collect();
+    json!({
+        "id": format!("{:016x}", r.id),
+        "warm": s.is_warm(),
+        "snapshot_blocks": s.snapshot_blocks.load(Relaxed),
+        "published_messages": s.published_messages.load(Relaxed),
+        "published_bytes": s.published_bytes.load(Relaxed),
+        "outbox_dropped": r.outbox.dropped(),
+        "snapshots_served": s.snapshots_served.load(Relaxed),
+        "peers": peers,
+    })
 }
 
 /// Which backend a request body would go to now, and why. Changes nothing.

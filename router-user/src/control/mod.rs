@@ -1,6 +1,6 @@
 //! The control plane, beside the traffic: health probes, the XDP load view,
 //! configuration reloads and discovery (both through `membership`), the
-//! admin listener, logging.
+//! replicas' shared stream, the admin listener, logging.
 
 pub(crate) mod admin;
 pub(crate) mod discovery;
@@ -10,3 +10,4 @@ pub(crate) mod loadview;
 pub(crate) mod logging;
 pub(crate) mod membership;
 pub(crate) mod reload;
+pub(crate) mod replicas;

@@ -64,6 +64,62 @@ pub struct Load {
     /// [`InFlight`] guard drops (a scan of them costs what the requests in
     /// flight on one backend number).
     pins: Mutex<Vec<Pin>>,
+    /// What the other router replicas have in flight here, as they report it.
+    pub remote: Remote,
+}
+
+/// The most router replicas whose work a backend counts (peers beyond it
+/// share their decisions, not their load).
+pub const MAX_PEERS: usize = 32;
+
+/// Work the peer replicas have on one backend (`control::replicas`
+/// writes it): each peer's last report in a cell of its own, written by
+/// that peer's thread alone, and the sums routing reads, kept exact by
+/// adding each cell's change (wrapping).
+#[derive(Debug, Default)]
+pub struct Remote {
+    /// Per peer: requests in flight (high half), queued prefill blocks (low).
+    cells: [AtomicU64; MAX_PEERS],
+    in_flight: AtomicU32,
+    queued_prefill_blocks: AtomicU32,
+}
+
+impl Remote {
+    /// Peer `peer` has this much work here now.
+    pub fn set(&self, peer: usize, in_flight: u32, queued_prefill_blocks: u32) {
+        let Some(cell) = self.cells.get(peer) else {
+            return;
+        };
+        let new = (u64::from(in_flight) << 32) | u64::from(queued_prefill_blocks);
+        let old = cell.swap(new, Relaxed);
+        let (f, q) = ((old >> 32) as u32, old as u32);
+        self.in_flight.fetch_add(in_flight.wrapping_sub(f), Relaxed);
+        self.queued_prefill_blocks
+            .fetch_add(queued_prefill_blocks.wrapping_sub(q), Relaxed);
+    }
+
+    /// Peer `peer` just sent one more request here, `prefill` blocks to
+    /// compute: counted at once, until its next report says otherwise.
+    pub fn bump(&self, peer: usize, prefill: u32) {
+        let (f, q) = self.of(peer);
+        self.set(peer, f.saturating_add(1), q.saturating_add(prefill));
+    }
+
+    /// Peer `peer`'s last report here.
+    pub fn of(&self, peer: usize) -> (u32, u32) {
+        let c = self.cells.get(peer).map_or(0, |c| c.load(Relaxed));
+        ((c >> 32) as u32, c as u32)
+    }
+
+    /// Requests the peers have in flight here.
+    pub fn in_flight(&self) -> u32 {
+        self.in_flight.load(Relaxed)
+    }
+
+    /// Uncached prompt blocks of the peers' requests waiting for a first byte.
+    pub fn queued_prefill_blocks(&self) -> u32 {
+        self.queued_prefill_blocks.load(Relaxed)
+    }
 }
 
 /// A request in flight as the closed loop sees it: the clock stamp its
@@ -478,9 +534,11 @@ impl Backend {
         let l = &self.load;
         BackendLoad {
             eligible: self.has_room(max_in_flight),
-            in_flight: l.in_flight(),
-            queued_prefill_blocks: l.queued_prefill_blocks(),
-            external_conns: l.external_conns(),
+            // The peer replicas' work counts as this one's own; their
+            // connections are part of what XDP sees beyond this router.
+            in_flight: l.in_flight() + l.remote.in_flight(),
+            queued_prefill_blocks: l.queued_prefill_blocks() + l.remote.queued_prefill_blocks(),
+            external_conns: l.external_conns().saturating_sub(l.remote.in_flight()),
             id_hash: self.id_hash,
             in_flight_blocks: l.in_flight_blocks(),
             capacity_blocks: u32::try_from(self.feedback.capacity()).unwrap_or(u32::MAX),

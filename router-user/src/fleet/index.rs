@@ -923,6 +923,49 @@ impl PrefixIndex {
         }
     }
 
+    /// What `backend` holds, oldest first, as (block, anchor) pairs: a
+    /// snapshot another router replica restores with [`Self::restore`].
+    pub fn export(&self, backend: usize) -> Vec<[u64; 2]> {
+        let ring = self.rings[backend]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        ring.blocks.iter().copied().collect()
+    }
+
+    /// Records that `backend` holds these (block, anchor) pairs, oldest
+    /// first, as another replica's [`Self::export`] gave them: each is
+    /// newer than what `backend` held here before.
+    pub fn restore(&self, backend: usize, pairs: &[[u64; 2]]) {
+        if pairs.is_empty() {
+            return;
+        }
+        let tag = (backend as u64) << SENT_SHIFT;
+        let alloc = pairs.len() as u64;
+        let end = (self.pushed[backend].fetch_add(alloc, Relaxed) + alloc) & SENT_MASK;
+        let mut ring = self.rings[backend]
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if ring.capacity == 0 {
+            return;
+        }
+        for &[h, anchor] in pairs {
+            let slot = self.find_or_claim(h);
+            let (new, replaced) = slot.add_owner(backend);
+            if new {
+                ring.blocks.push_back([h, anchor]);
+                self.tracked.fetch_add(1, Relaxed);
+                if replaced.is_some() {
+                    self.evictions.fetch_add(1, Relaxed);
+                }
+            } else if let Some(word) = slot.word_of(backend) {
+                owners::touch(word, backend);
+            }
+            slot.last_sent.store(tag | end, Relaxed);
+        }
+        self.evict_over(backend, &mut ring);
+        self.ring_lens[backend].store(ring.blocks.len(), Relaxed);
+    }
+
     /// Forgets everything `backend` holds (removed, ejected, or restarted).
     pub fn clear_backend(&self, backend: usize) {
         let mut ring = self.rings[backend]

@@ -269,7 +269,7 @@ async fn attempt(
     // waits: else the whole burst would wait here, then land at once.
     wait_for_prefill(worker, cfg, c, at).await;
     let sent_at = Instant::now();
-    if let Some(stamp) = router.learn(backend, &mut c.blocks) {
+    if let Some(stamp) = router.learn(backend, &mut c.blocks, uncached) {
         // What the engine computes for it starts where the prediction ends.
         let computing = c
             .blocks
