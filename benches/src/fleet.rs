@@ -318,6 +318,18 @@ impl Router {
         Ok(())
     }
 
+    /// Waits until the router's admin `/ready` answers 200: a replica
+    /// sharing with others is ready once it caught up from them.
+    pub fn wait_warm(&self) -> anyhow::Result<()> {
+        if !testkit::proc::wait_http_ready(self.admin, "/ready", START_TIMEOUT) {
+            bail!(
+                "prefix-router never caught up:\n{}",
+                self.child.stderr_tail()
+            );
+        }
+        Ok(())
+    }
+
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }

@@ -451,7 +451,15 @@ fn start_ours(
         }
         // Every replica is started before any is waited for: a starting
         // replica may wait for its peers' snapshots before it is ready.
-        match routers.iter_mut().try_for_each(Router::wait_ready) {
+        let ready = routers.iter_mut().try_for_each(Router::wait_ready);
+        // Traffic starts once every sharing replica caught up from the others.
+        let ready = ready.and_then(|()| {
+            routers
+                .iter()
+                .filter(|_| share)
+                .try_for_each(Router::wait_warm)
+        });
+        match ready {
             Ok(()) => return Ok((routers, files)),
             // Only a port taken meanwhile is worth another try.
             Err(e)
@@ -1089,6 +1097,25 @@ mod tests {
         assert_eq!((m.hit_rate, m.ttft_p99_ms), (0.6, 300.0));
         assert_eq!((m.runs, m.requests), (3, 30));
         assert_eq!(m.load_max_mean, 1.0);
+    }
+
+    #[test]
+    fn a_sharing_replica_s_config_names_it_and_every_peer() {
+        let all = crate::replicas::listen_addrs(3).unwrap();
+        let urls = ["http://127.0.0.1:7001".to_string()];
+        let ports = [fleet::EventPorts {
+            live: 9001,
+            replay: 9002,
+        }];
+        for base in [String::new(), precise_text(&urls, &ports, None).unwrap()] {
+            let text = base + &crate::replicas::section(all[1], &all);
+            let file = ConfigFile::write(&text).unwrap();
+            let cfg = prefix_router::config::Config::from_file(&file.0).unwrap();
+            assert_eq!(cfg.replicas.listen, Some(all[1]));
+            let peers: Vec<String> = all.iter().map(|a| a.to_string()).collect();
+            assert_eq!(cfg.replicas.peers, peers);
+            assert!(cfg.replicas.enabled());
+        }
     }
 
     #[test]

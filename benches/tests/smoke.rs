@@ -161,7 +161,7 @@ fn tiny_replicas_run_reports_each_replica_count() {
         "--replicas",
         "1,2",
         "--policies",
-        "prefix@alone",
+        "prefix,prefix@alone",
         "--duration",
         "2",
         "--peers",
@@ -174,7 +174,18 @@ fn tiny_replicas_run_reports_each_replica_count() {
         .iter()
         .map(|x| x["replicas"].as_u64().unwrap())
         .collect();
-    assert_eq!(counts, [1, 2], "{rows:?}");
+    // The sharing front at 1 and 2 replicas; alone at 2 only (one replica
+    // alone is the sharing front's single one).
+    let fronts: Vec<(&str, u64)> = rows
+        .iter()
+        .map(|x| x["policy"].as_str().unwrap())
+        .zip(counts)
+        .collect();
+    assert_eq!(
+        fronts,
+        [("prefix", 1), ("prefix", 2), ("prefix@alone", 2)],
+        "{rows:?}"
+    );
     for x in rows {
         assert!(x["requests"].as_u64().unwrap() > 0, "{x}");
         assert_eq!(x["errors"].as_u64(), Some(0), "{x}");
