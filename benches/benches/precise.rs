@@ -12,7 +12,9 @@ use prefix_router::fleet::index::{Matches, PrefixIndex};
 use prefix_router::fleet::owners::BackendSet;
 use prefix_router::precise::events::{Groups, decode_batch};
 use prefix_router::precise::index::{PreciseIndex, StoredChain};
-use prefix_router::precise::keys::{TokenScratch, chain_seed, engine_tokens, request_keys};
+use prefix_router::precise::keys::{
+    PromptText, TokenScratch, chain_seed, engine_tokens, request_keys,
+};
 use prefix_router::precise::tokenizer::{
     Choice, DEFAULT_CACHE_TOKENS, DEFAULT_DEFER_BYTES, ModelTokenizer, TokenPool,
 };
@@ -71,15 +73,13 @@ fn route(c: &mut Criterion) {
         // holding them on backend 0 (from events).
         let (mut text, mut tokens, mut keys) = (TokenScratch::default(), Vec::new(), Vec::new());
         let toy_pool = TokenPool::new(DEFAULT_CACHE_TOKENS, 0);
-        engine_tokens(
-            &Choice::Toy,
-            &toy_pool,
-            Endpoint::Chat,
-            &canon,
-            false,
-            &mut text,
-            &mut tokens,
-        );
+        let prompt = PromptText {
+            endpoint: Endpoint::Chat,
+            canonical: &canon,
+            token_ids: false,
+            cut: false,
+        };
+        engine_tokens(&Choice::Toy, &toy_pool, &prompt, &mut text, &mut tokens);
         let n = tokens.len() / 16;
         let precise = PreciseIndex::new(n * 2);
         let engine_hashes: Vec<u64> = (1..=n as u64).collect();
@@ -108,15 +108,13 @@ fn route(c: &mut Criterion) {
         });
         g.bench_function(BenchmarkId::new("precise_added", name), |b| {
             b.iter(|| {
-                engine_tokens(
-                    &Choice::Toy,
-                    &toy_pool,
-                    Endpoint::Chat,
-                    black_box(&canon),
-                    false,
-                    &mut text,
-                    &mut tokens,
-                );
+                let prompt = PromptText {
+                    endpoint: Endpoint::Chat,
+                    canonical: black_box(&canon),
+                    token_ids: false,
+                    cut: false,
+                };
+                engine_tokens(&Choice::Toy, &toy_pool, &prompt, &mut text, &mut tokens);
                 keys.clear();
                 request_keys(chain_seed(None), &tokens, 16, &[], &mut keys);
                 let mut m = Matches::new();
@@ -171,15 +169,13 @@ fn precise_added(
     index: &PreciseIndex,
 ) -> usize {
     let (mut tokens, mut keys) = (Vec::new(), Vec::new());
-    assert!(engine_tokens(
-        choice,
-        pool,
-        ep,
-        black_box(canon),
-        false,
-        scratch,
-        &mut tokens
-    ));
+    let prompt = PromptText {
+        endpoint: ep,
+        canonical: black_box(canon),
+        token_ids: false,
+        cut: false,
+    };
+    assert!(engine_tokens(choice, pool, &prompt, scratch, &mut tokens));
     request_keys(chain_seed(None), &tokens, 16, &[], &mut keys);
     let mut m = Matches::new();
     index.longest_matches(&keys, &BackendSet::first(4), 0, 2000, &mut m);

@@ -521,6 +521,12 @@ const PER_BACKEND: &[PerBackend] = &[
         |b, _, _, out| out(Sample::Counter(label(b), b.feedback.reports())),
     ),
     (
+        "usage_invalid",
+        "Answers whose usage was not believed (a count that is not a non-negative integer, or cached_tokens above prompt_tokens): ignored, nothing learned from them",
+        MetricType::Counter,
+        |b, _, _, out| out(Sample::Counter(label(b), b.feedback.invalid_reports())),
+    ),
+    (
         "mispredictions",
         "Answers that held fewer (over) or more (under) blocks than predicted, and detected cache flushes",
         MetricType::Counter,

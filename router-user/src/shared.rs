@@ -20,7 +20,10 @@ use crate::fleet::owners::BackendSet;
 use crate::metrics::{Metrics, Sources};
 use crate::policy::select::{self, BackendLoad, Choice, Policy, RouteInput};
 use crate::precise::Precise;
+use crate::precise::keys::{EngineTokens, PromptText};
+use crate::precise::offload::Job;
 use crate::precise::subscriber::Subscriber;
+use crate::precise::tokenizer::CUT_BYTES_PER_TOKEN;
 use crate::prompt::extract::Endpoint;
 use crate::prompt::hash::{block_hashes_pieces, cold_key};
 use crate::prompt::scan::{Canonical, scan};
@@ -172,6 +175,21 @@ pub struct RouteQuery<'a> {
     pub body: &'a [u8],
     /// `x-session-id`, hashed (the body's `user` stands in when absent).
     pub session: Option<u64>,
+    /// Precise mode: where the request's engine tokens come from.
+    pub tokens: TokensFrom<'a>,
+}
+
+/// Where a request's engine tokens come from (precise mode).
+#[derive(Clone, Copy, Debug)]
+pub enum TokensFrom<'a> {
+    /// Made here, on the caller's thread, cut to the token budget (the
+    /// admin's explain).
+    Here,
+    /// The traffic path: token ids and the toy tokenizer here (cheap, cut
+    /// to the budget), a model tokenizer's only as given, made off the
+    /// worker ([`Router::token_job`]); `None`: none came (the tokenizing
+    /// threads were busy or slow, or failed), the approximate index routes.
+    Worker(Option<&'a EngineTokens>),
 }
 
 impl Router {
@@ -336,9 +354,6 @@ impl Router {
                 &mut scratch.carry,
                 hashes,
             );
-            if self.precise.is_some() {
-                scratch.canon.write_to(query.body, &mut scratch.canonical);
-            }
         }
         let mut matches = std::mem::take(&mut scratch.prefix_matches);
         matches.clear();
@@ -351,9 +366,9 @@ impl Router {
         }
         scratch.precise_mask = BackendSet::default();
         blocks.keys.clear();
-        if let (Some(_), Some(ep), Policy::Prefix) = (&self.precise, query.endpoint, policy) {
+        if let (Some(_), Some(_), Policy::Prefix) = (&self.precise, query.endpoint, policy) {
             self.precise_matches(
-                ep,
+                query,
                 &fleet,
                 scratch,
                 &mut blocks.keys,
@@ -428,37 +443,140 @@ impl Router {
         })
     }
 
+    /// Precise mode: the tokenizing [`Router::route`] will need for this
+    /// request when it is a model tokenizer's, to be done off the traffic
+    /// worker (`precise::offload`) and handed to `route` as
+    /// [`TokensFrom::Worker`]; `None` when there is none to do (precise
+    /// mode off, a prompt given as token ids, the toy tokenizer, no EXACT
+    /// backend, a chat template not used, a pool whose policy is not
+    /// `prefix`, a body `route` will refuse). The prompt is cut to the
+    /// token budget first.
+    pub fn token_job(&self, query: &RouteQuery, scratch: &mut RouteScratch) -> Option<Job> {
+        let p = self.precise.as_ref()?;
+        let ep = query.endpoint?;
+        scan(ep, query.body, &mut scratch.canon).ok()?;
+        let crate::precise::tokenizer::Choice::Model(t) =
+            p.tokenizers.for_model(scratch.canon.model())
+        else {
+            return None;
+        };
+        if scratch.canon.token_ids() && ep != Endpoint::Chat {
+            return None;
+        }
+        let now = p.now_ms();
+        if !self
+            .fleet
+            .load()
+            .backends
+            .iter()
+            .any(|b| p.exact(b.slot, now))
+        {
+            return None;
+        }
+        let table = self.models.table();
+        let want = table
+            .resolve(scratch.canon.model(), scratch.canon.adapter())
+            .ok()?;
+        if want.policy().unwrap_or(self.config.load().policy) != Policy::Prefix {
+            return None;
+        }
+        if ep == Endpoint::Chat && !t.use_template() {
+            return None;
+        }
+        let mut canonical = Vec::new();
+        let max = p.tokenizers.max_tokens.saturating_mul(CUT_BYTES_PER_TOKEN);
+        let cut = scratch
+            .canon
+            .write_prefix_to(query.body, &mut canonical, max);
+        if cut {
+            crate::precise::keys::cut(&mut canonical, ep, false);
+        }
+        Some(Job {
+            tokenizer: t.clone(),
+            endpoint: ep,
+            canonical,
+            cut,
+        })
+    }
+
     /// Precise mode: replaces, for every EXACT backend, its approximate
     /// match by what its engine's events say it holds, in the approximate
     /// index's units (a share of the prompt's `approx_blocks`), so selection
     /// weighs both alike. (The longer of the two was tried: no clear gain,
-    /// see "Precise mode" in ARCHITECTURE.md.)
+    /// see "Precise mode" in ARCHITECTURE.md.) A prompt cut to the token
+    /// budget counts its tokens as the share of the prompt they cover; a
+    /// backend that holds them all keeps its approximate match when that is
+    /// longer (what it holds past the cut).
     fn precise_matches(
         &self,
-        ep: Endpoint,
+        query: &RouteQuery,
         fleet: &Fleet,
         scratch: &mut RouteScratch,
         keys: &mut Vec<u64>,
         approx_blocks: usize,
         matches: &mut Matches,
     ) {
-        let Some(p) = &self.precise else {
+        scratch.precise_mask = BackendSet::default();
+        let (Some(p), Some(ep)) = (&self.precise, query.endpoint) else {
             return;
         };
-        if !crate::precise::keys::engine_tokens(
-            p.tokenizers.for_model(scratch.canon.model()),
-            &p.tokenizers.pool,
-            ep,
-            &scratch.canonical,
-            scratch.canon.token_ids(),
-            &mut scratch.text,
-            &mut scratch.tokens,
-        ) {
-            // No tokens for this model (its tokenizer is missing or failed,
-            // reported once): every backend on the approximate index.
-            scratch.precise_mask = BackendSet::default();
+        let now = p.now_ms();
+        let mut exact = BackendSet::default();
+        for b in &fleet.backends {
+            if p.exact(b.slot, now) {
+                exact.insert(b.slot);
+            }
+        }
+        if exact.is_empty() {
             return;
         }
+        let choice = p.tokenizers.for_model(scratch.canon.model());
+        let ids = scratch.canon.token_ids() && ep != Endpoint::Chat;
+        let offloaded = !ids && matches!(choice, crate::precise::tokenizer::Choice::Model(_));
+        let max_tokens = p.tokenizers.max_tokens;
+        let (tokens, covered, cut): (&[u32], usize, bool) = match query.tokens {
+            TokensFrom::Worker(given) if offloaded => match given {
+                Some(t) => (&t.tokens, t.covered, t.cut),
+                // No tokens for it (see `TokensFrom`): every backend on
+                // the approximate index.
+                None => return,
+            },
+            TokensFrom::Worker(_) | TokensFrom::Here => {
+                let max = max_tokens.saturating_mul(CUT_BYTES_PER_TOKEN);
+                let mut cut =
+                    scratch
+                        .canon
+                        .write_prefix_to(query.body, &mut scratch.canonical, max);
+                if cut {
+                    crate::precise::keys::cut(&mut scratch.canonical, ep, ids);
+                }
+                let prompt = PromptText {
+                    endpoint: ep,
+                    canonical: &scratch.canonical,
+                    token_ids: scratch.canon.token_ids(),
+                    cut,
+                };
+                if !crate::precise::keys::engine_tokens(
+                    choice,
+                    &p.tokenizers.pool,
+                    &prompt,
+                    &mut scratch.text,
+                    &mut scratch.tokens,
+                ) {
+                    // No tokens for this model (its tokenizer is missing or
+                    // failed, reported once): the approximate index.
+                    return;
+                }
+                let mut covered = scratch.canonical.len();
+                if scratch.tokens.len() > max_tokens {
+                    covered =
+                        (covered as u64 * max_tokens as u64 / scratch.tokens.len() as u64) as usize;
+                    scratch.tokens.truncate(max_tokens);
+                    cut = true;
+                }
+                (&scratch.tokens, covered, cut)
+            }
+        };
         scratch.first_extra.clear();
         let salt = scratch.canon.salt();
         if !salt.is_empty() {
@@ -467,36 +585,35 @@ impl Router {
         let adapter = p.adapters.of_model(scratch.canon.model());
         crate::precise::keys::request_keys(
             crate::precise::keys::chain_seed(adapter),
-            &scratch.tokens,
+            tokens,
             p.settings.block_tokens,
             &scratch.first_extra,
             keys,
         );
-        let now = p.now_ms();
-        let mut exact = BackendSet::default();
-        for b in &fleet.backends {
-            if p.exact(b.slot, now) {
-                exact.insert(b.slot);
-            }
-        }
         scratch.precise_mask = exact;
-        if exact.is_empty() {
-            return;
-        }
         let pm = &mut scratch.exact_matches;
         pm.clear();
         if !keys.is_empty() {
             p.matches(keys, &exact, now, pm);
         }
+        // The approximate blocks the tokens stand for.
+        let covered_blocks = if cut {
+            (approx_blocks as u64 * covered as u64 / scratch.canon.len().max(1) as u64)
+                .min(approx_blocks as u64)
+        } else {
+            approx_blocks as u64
+        };
         for slot in exact.iter() {
-            matches.set(
-                slot,
-                if keys.is_empty() {
-                    0
-                } else {
-                    ((u64::from(pm[slot]) * approx_blocks as u64) / keys.len() as u64) as u32
-                },
-            );
+            let held = u64::from(pm[slot]);
+            let mut m = if keys.is_empty() {
+                0
+            } else {
+                (held * covered_blocks / keys.len() as u64) as u32
+            };
+            if cut && !keys.is_empty() && held == keys.len() as u64 {
+                m = m.max(matches[slot]);
+            }
+            matches.set(slot, m);
         }
     }
 

@@ -409,3 +409,107 @@ fn a_request_on_a_prompt_still_being_prefilled_waits_for_it() {
         "without the wait the engine computes most of it again: {not} cached"
     );
 }
+
+/// An engine whose `cached_tokens` is not a count (3.7, then -5, then more
+/// than its prompt) teaches the closed loop nothing: its answers are
+/// counted as not believed, warned about once, and its learned state stays
+/// where it started, so where the others' requests go does not change.
+/// Before, 3.7 was read as 3: the router believed the engine had lost
+/// every prompt, shrank its learned capacity and forgot its blocks, and
+/// conversations moved onto the honest engines.
+#[test]
+fn an_engine_whose_cached_tokens_are_not_a_count_teaches_nothing() {
+    let mut engines = Vec::new();
+    for (i, extra) in [&[][..], &["--bad-cached-tokens", "3.7"][..], &[][..]]
+        .iter()
+        .enumerate()
+    {
+        let id = format!("e{i}");
+        let mut args = vec!["--id", id.as_str(), "--time-scale", "0"];
+        args.extend_from_slice(extra);
+        engines.push(SimEngine::spawn(&args));
+    }
+    let urls: Vec<String> = engines.iter().map(SimEngine::url).collect();
+    let liar = urls[1].clone();
+    let router = Router::spawn(
+        &urls,
+        &["--debug-headers"],
+        "[prefix]\nread_kv_capacity = false\n",
+    );
+    router.wait_models_known();
+    let start: Vec<serde_json::Value> = urls.iter().map(|u| router.backend(u)).collect();
+    // Twelve documents, then three rounds of repeats: every repeat is a
+    // predicted hit on the engine the document first went to.
+    let docs: Vec<String> = (0..12).map(|i| doc(100 + i, 32)).collect();
+    let home: Vec<String> = docs.iter().map(|d| complete(&router, d).0).collect();
+    assert!(
+        home.contains(&liar),
+        "some document went to the liar: {home:?}"
+    );
+    for round in 0..3 {
+        if round == 1 {
+            set_bad_cached(&engines[1], "-5");
+        }
+        if round == 2 {
+            set_bad_cached(&engines[1], "99999999");
+        }
+        for (d, h) in docs.iter().zip(&home) {
+            let (b, cached) = complete(&router, d);
+            assert_eq!(&b, h, "round {round}: a repeat stays on its engine");
+            if b != liar {
+                assert!(cached >= 30 * 16, "an honest repeat hits: {cached}");
+            }
+        }
+    }
+    let on_liar = home.iter().filter(|h| **h == liar).count() as u64;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while router.backend(&liar)["prediction"]["invalid_reports"].as_u64() < Some(4 * on_liar)
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let b = router.backend(&liar);
+    assert_eq!(
+        b["prediction"]["invalid_reports"].as_u64(),
+        Some(4 * on_liar),
+        "every answer of the liar counted: {b}"
+    );
+    // Nothing it said was learned: no report compared, no flush, the
+    // capacity and the kept share where they started.
+    assert_eq!(b["prediction"]["reports"], 0, "{b}");
+    assert_eq!(b["prediction"]["flushes"], 0, "{b}");
+    assert_eq!(
+        b["learned_capacity_blocks"], start[1]["learned_capacity_blocks"],
+        "{b}"
+    );
+    assert_eq!(b["private_lead_kept"], 1.0, "{b}");
+    assert_eq!(b["index_blocks"].as_u64(), Some(on_liar * 32), "{b}");
+    for u in [&urls[0], &urls[2]] {
+        let h = router.backend(u);
+        assert_eq!(h["prediction"]["invalid_reports"], 0, "{h}");
+        assert_eq!(h["prediction"]["flushes"], 0, "{h}");
+    }
+    let m = router.metrics();
+    assert_eq!(
+        metric(&m, "prefix_router_usage_invalid_total", &liar),
+        (4 * on_liar) as f64,
+        "{m}"
+    );
+    let warnings = router
+        .child
+        .stderr_tail(1 << 20)
+        .matches("usage is not believed")
+        .count();
+    assert_eq!(warnings, 1, "warned once for the backend");
+}
+
+/// Makes `engine` write `literal` for every `cached_tokens` from now on.
+fn set_bad_cached(engine: &SimEngine, literal: &str) {
+    let r = post_json(
+        engine.addr,
+        "/sim/faults",
+        &json!({ "bad_cached_tokens": literal }),
+    )
+    .expect("faults");
+    assert_eq!(r.status, 200, "{}", r.text());
+}

@@ -60,6 +60,23 @@ pub struct PreciseConfig {
     /// document that other requests may share) are tokenized at once. 0:
     /// every message on the wait.
     pub tokenizer_defer_bytes: usize,
+    /// Most tokens of a prompt routing uses: a longer prompt is cut to
+    /// about this many (its first `4 x` this many bytes) before it is
+    /// tokenized, so no prompt costs more than this; past it a backend
+    /// that holds it all is credited with what the approximate index says
+    /// it holds beyond. The engine rejects a prompt over its context, not
+    /// the router.
+    pub tokenizer_max_tokens: usize,
+    /// Threads that tokenize for the traffic workers (with a model
+    /// tokenizer; the toy tokenizer and token ids stay on the workers).
+    pub tokenizer_threads: usize,
+    /// Requests waiting for a tokenizing thread, beyond those being
+    /// tokenized; when it is full a request routes on the approximate
+    /// index at once.
+    pub tokenizer_queue: usize,
+    /// Longest a request waits for its tokens (milliseconds); then it
+    /// routes on the approximate index.
+    pub tokenizer_wait_ms: u64,
 }
 
 impl Default for PreciseConfig {
@@ -77,6 +94,10 @@ impl Default for PreciseConfig {
             tokenizers: BTreeMap::new(),
             tokenizer_cache_tokens: crate::precise::tokenizer::DEFAULT_CACHE_TOKENS,
             tokenizer_defer_bytes: crate::precise::tokenizer::DEFAULT_DEFER_BYTES,
+            tokenizer_max_tokens: crate::precise::tokenizer::DEFAULT_MAX_TOKENS,
+            tokenizer_threads: crate::precise::offload::DEFAULT_THREADS,
+            tokenizer_queue: crate::precise::offload::DEFAULT_QUEUE,
+            tokenizer_wait_ms: crate::precise::offload::DEFAULT_WAIT_MS,
         }
     }
 }
@@ -92,11 +113,16 @@ impl PreciseConfig {
 
     /// Loads the configured tokenizers (failures logged, see `tokenizer_dir`).
     pub fn load_tokenizers(&self) -> crate::precise::tokenizer::Tokenizers {
-        use crate::precise::tokenizer::{TokenPool, Tokenizers};
+        use crate::precise::tokenizer::{Limits, TokenPool, Tokenizers};
         Tokenizers::load(
             self.tokenizer_dir.as_deref(),
             &self.tokenizers,
             TokenPool::new(self.tokenizer_cache_tokens, self.tokenizer_defer_bytes),
+            Limits {
+                threads: self.tokenizer_threads,
+                queue: self.tokenizer_queue,
+                max_tokens: self.tokenizer_max_tokens,
+            },
         )
     }
 

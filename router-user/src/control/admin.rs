@@ -162,6 +162,7 @@ fn backends_json(router: &Router) -> serde_json::Value {
                     "over": b.feedback.over_predictions(),
                     "under": b.feedback.under_predictions(),
                     "flushes": b.feedback.flushes(),
+                    "invalid_reports": b.feedback.invalid_reports(),
                 },
                 "requests": stats.requests(),
                 "errors": stats.errors(),
@@ -183,6 +184,7 @@ fn backends_json(router: &Router) -> serde_json::Value {
         "policy": router.config.load().policy.name(),
         "backends": list,
         "discovery": discovery,
+        "precise": router.precise.as_ref().map(|p| crate::precise::metrics::tokenizers_json(p)),
         "replicas": replicas_json(router),
     })
 }
@@ -214,6 +216,7 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
         endpoint: Some(ep),
         body,
         session: None,
+        tokens: crate::shared::TokensFrom::Here,
     };
     let routed = match router.route(&query, &mut scratch, &mut blocks) {
         Ok(r) => r,

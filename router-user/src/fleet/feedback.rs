@@ -50,9 +50,52 @@ pub struct UsageScanner {
     /// The last bytes seen, then (while scanning) the head of the new read.
     carry: [u8; 2 * CARRY],
     carry_len: usize,
-    prompt_tokens: Option<u32>,
-    cached_tokens: Option<u32>,
-    completion_tokens: Option<u32>,
+    prompt_tokens: Field,
+    cached_tokens: Field,
+    completion_tokens: Field,
+}
+
+/// A usage number as the scanner last read it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Field {
+    /// Not seen (or `null`: not counted by the engine).
+    Missing,
+    /// A non-negative integer that fits in 32 bits.
+    Int(u32),
+    /// Anything else: a fraction (`3.7`), a negative number, an exponent,
+    /// a string, a boolean, too many digits.
+    Bad,
+}
+
+/// What an answer reported of its prompt, checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reported {
+    /// No usage, or usage without cached tokens (an engine that does not
+    /// count them): one sample fewer.
+    Nothing,
+    Valid(Usage),
+    /// Numbers no honest engine writes (see [`Invalid`]): ignored for this
+    /// answer, and counted against the backend.
+    Invalid(Invalid),
+}
+
+/// Why an answer's usage was not believed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Invalid {
+    /// `prompt_tokens`, `cached_tokens` or `completion_tokens` was not a
+    /// non-negative integer.
+    NotAnInteger,
+    /// More cached tokens than prompt tokens.
+    CachedOverPrompt,
+}
+
+impl Invalid {
+    pub fn describe(self) -> &'static str {
+        match self {
+            Invalid::NotAnInteger => "a usage number is not a non-negative integer",
+            Invalid::CachedOverPrompt => "cached_tokens is above prompt_tokens",
+        }
+    }
 }
 
 impl Default for UsageScanner {
@@ -60,9 +103,9 @@ impl Default for UsageScanner {
         UsageScanner {
             carry: [0; 2 * CARRY],
             carry_len: 0,
-            prompt_tokens: None,
-            cached_tokens: None,
-            completion_tokens: None,
+            prompt_tokens: Field::Missing,
+            cached_tokens: Field::Missing,
+            completion_tokens: Field::Missing,
         }
     }
 }
@@ -132,12 +175,34 @@ impl UsageScanner {
         }
     }
 
-    /// What the response reported, once it reported both numbers.
-    pub fn usage(&self) -> Option<Usage> {
-        Some(Usage {
-            prompt_tokens: self.prompt_tokens?,
-            cached_tokens: self.cached_tokens?,
-            completion_tokens: self.completion_tokens.unwrap_or(0),
+    /// What the response reported, checked: every number a non-negative
+    /// integer, the cached tokens not above the prompt's. One engine's
+    /// broken counts must not teach the closed loop (and through it,
+    /// where other engines' requests go) anything.
+    pub fn report(&self) -> Reported {
+        let fields = [
+            self.prompt_tokens,
+            self.cached_tokens,
+            self.completion_tokens,
+        ];
+        if fields.contains(&Field::Bad) {
+            return Reported::Invalid(Invalid::NotAnInteger);
+        }
+        let (Field::Int(prompt_tokens), Field::Int(cached_tokens)) =
+            (self.prompt_tokens, self.cached_tokens)
+        else {
+            return Reported::Nothing;
+        };
+        if cached_tokens > prompt_tokens {
+            return Reported::Invalid(Invalid::CachedOverPrompt);
+        }
+        Reported::Valid(Usage {
+            prompt_tokens,
+            cached_tokens,
+            completion_tokens: match self.completion_tokens {
+                Field::Int(n) => n,
+                Field::Missing | Field::Bad => 0,
+            },
         })
     }
 
@@ -157,16 +222,18 @@ impl UsageScanner {
                     continue;
                 }
                 if let Some(v) = number_after(&hay[end + KEY_END.len()..]) {
-                    *slot = Some(v);
+                    *slot = v;
                 }
             }
         }
     }
 }
 
-/// The integer after `: ` at the start of `rest`; `None` when it is not a
-/// number or runs to the end of `rest` (it may continue in the next read).
-fn number_after(rest: &[u8]) -> Option<u32> {
+/// The value after `: ` at the start of `rest`: an integer, `Bad` for
+/// any other JSON value but `null`; `None` when there is no colon, the
+/// value is `null`, or it runs to the end of `rest` (it may continue in
+/// the next read).
+fn number_after(rest: &[u8]) -> Option<Field> {
     let mut i = 0;
     let skip_ws = |i: &mut usize| {
         while *i < rest.len() && matches!(rest[*i], b' ' | b'\t' | b'\r' | b'\n') && *i < 16 {
@@ -181,15 +248,26 @@ fn number_after(rest: &[u8]) -> Option<u32> {
     skip_ws(&mut i);
     let start = i;
     let mut v: u64 = 0;
-    while i < rest.len() && rest[i].is_ascii_digit() && i - start < 10 {
+    // One digit past u32's ten shows a number too large.
+    while i < rest.len() && rest[i].is_ascii_digit() && i - start <= 10 {
         v = v * 10 + u64::from(rest[i] - b'0');
         i += 1;
     }
-    // A number must end inside what we have, or it may be cut short.
-    if i == start || i >= rest.len() {
-        return None;
+    // A value must end inside what we have, or it may be cut short.
+    let next = *rest.get(i)?;
+    if i == start {
+        // Not a number: `null` is an engine that does not count; anything
+        // else (a sign, a string, a boolean, an object) is not a count.
+        return match next {
+            b'n' => None,
+            _ => Some(Field::Bad),
+        };
     }
-    u32::try_from(v).ok()
+    if !matches!(next, b',' | b'}' | b']' | b' ' | b'\t' | b'\r' | b'\n') {
+        // A fraction, an exponent, more digits than a u32 holds.
+        return Some(Field::Bad);
+    }
+    Some(u32::try_from(v).map_or(Field::Bad, Field::Int))
 }
 
 /// What one report says the index should do for the backend it came from.
@@ -294,6 +372,8 @@ pub struct Feedback {
     /// to hold: a conversation's history) that its answers said it still
     /// held; a moving average, `f64` bits. 1 until a report says less.
     private_kept: AtomicU64,
+    /// Answers whose usage was not believed ([`Reported::Invalid`]).
+    invalid_reports: AtomicU64,
 }
 
 impl Feedback {
@@ -316,7 +396,19 @@ impl Feedback {
             known_capacity: AtomicUsize::new(0),
             capacity_looked_up: AtomicBool::new(false),
             private_kept: AtomicU64::new(1f64.to_bits()),
+            invalid_reports: AtomicU64::new(0),
         }
+    }
+
+    /// Counts an answer whose usage was not believed; true for this
+    /// backend's first (the caller warns once per backend).
+    pub fn invalid_report(&self) -> bool {
+        self.invalid_reports.fetch_add(1, Relaxed) == 0
+    }
+
+    /// Answers whose usage was not believed.
+    pub fn invalid_reports(&self) -> u64 {
+        self.invalid_reports.load(Relaxed)
     }
 
     /// Share of a private lead this engine still held when the request came
@@ -578,7 +670,10 @@ mod tests {
         for p in parts {
             s.feed(p);
         }
-        s.usage()
+        match s.report() {
+            Reported::Valid(u) => Some(u),
+            Reported::Nothing | Reported::Invalid(_) => None,
+        }
     }
 
     const JSON: &[u8] = br#"{"id":"x","choices":[{"text":"a"}],"usage":{"prompt_tokens":1234,"total_tokens":1300,"completion_tokens":66,"prompt_tokens_details":{"cached_tokens":1024}}}"#;
@@ -635,6 +730,65 @@ mod tests {
         assert_eq!(scan(&[br#"{"usage":{"prompt_tokens":12}}"#]), None);
         // A number cut by the end of the stream is not trusted.
         assert_eq!(scan(&[br#"{"prompt_tokens":12,"cached_tokens":1"#]), None);
+    }
+
+    fn report(text: &[u8]) -> Reported {
+        let mut s = UsageScanner::default();
+        s.feed(text);
+        s.report()
+    }
+
+    #[test]
+    fn cached_tokens_that_are_not_a_count_are_invalid_however_they_are_cut() {
+        let bad = Reported::Invalid(Invalid::NotAnInteger);
+        for v in [
+            "3.7",
+            "-5",
+            "-0",
+            "1e3",
+            "\"12\"",
+            "true",
+            "{}",
+            "99999999999",
+            "4294967296",
+        ] {
+            let text = format!(
+                r#"{{"usage":{{"prompt_tokens":100,"prompt_tokens_details":{{"cached_tokens":{v}}}}}}}"#
+            );
+            assert_eq!(report(text.as_bytes()), bad, "{v}");
+            // Cut anywhere, byte by byte too, the verdict is the same.
+            for cut in 1..text.len() {
+                let mut s = UsageScanner::default();
+                s.feed(&text.as_bytes()[..cut]);
+                s.feed(&text.as_bytes()[cut..]);
+                assert_eq!(s.report(), bad, "{v} cut at {cut}");
+            }
+        }
+        assert_eq!(
+            report(br#"{"prompt_tokens":10.5,"prompt_tokens_details":{"cached_tokens":3}}"#),
+            bad
+        );
+        assert_eq!(
+            report(br#"{"prompt_tokens":100,"prompt_tokens_details":{"cached_tokens":101}}"#),
+            Reported::Invalid(Invalid::CachedOverPrompt)
+        );
+        // The largest honest values still pass; null is "not counted".
+        assert!(matches!(
+            report(br#"{"prompt_tokens":4294967295,"prompt_tokens_details":{"cached_tokens":4294967295} }"#),
+            Reported::Valid(_)
+        ));
+        assert_eq!(
+            report(br#"{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":null}}"#),
+            Reported::Nothing
+        );
+        assert_eq!(
+            report(br#"{"prompt_tokens":12,"prompt_tokens_details":{"cached_tokens":12}}"#),
+            Reported::Valid(Usage {
+                prompt_tokens: 12,
+                cached_tokens: 12,
+                completion_tokens: 0
+            })
+        );
     }
 
     #[test]

@@ -17,7 +17,7 @@
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use super::tokenizer::{Choice, TokenPool};
+use super::tokenizer::{CUT_MARGIN_TOKENS, Choice, TokenPool};
 use crate::prompt::extract::Endpoint;
 use crate::prompt::hash::namespace_seed;
 
@@ -77,6 +77,85 @@ const BYTES_PER_TOKEN: usize = 4;
 const MESSAGE_START: u8 = 0x1e;
 const ROLE_END: u8 = 0x1f;
 
+/// A request's engine tokens, as far as routing reads them.
+#[derive(Debug, Default)]
+pub struct EngineTokens {
+    pub tokens: Vec<u32>,
+    /// Bytes of the canonical prompt they were made from.
+    pub covered: usize,
+    /// The prompt was cut ([`cut`]): `covered` is less than the whole.
+    pub cut: bool,
+}
+
+/// How far back from a cut a whitespace is looked for.
+const CUT_SEEK_BYTES: usize = 256;
+
+/// Cuts `canonical`, the first bytes of a canonical prompt (written up to
+/// a budget; the whole prompt is longer when `cut`), where its tokens can
+/// end as the whole's do: token ids at a whole id; text at the start of
+/// the last run of whitespace in its last [`CUT_SEEK_BYTES`] (tokenizers
+/// split words there first), else at a character; a chat's last message
+/// not cut inside its role.
+pub fn cut(canonical: &mut Vec<u8>, endpoint: Endpoint, token_ids: bool) {
+    if token_ids && endpoint != Endpoint::Chat {
+        canonical.truncate(canonical.len() / 4 * 4);
+        return;
+    }
+    // A character whose last bytes were cut off goes whole.
+    let mut end = canonical.len();
+    let mut lead = end;
+    while lead > 0 && end - lead < 4 && canonical[lead - 1] & 0xc0 == 0x80 {
+        lead -= 1;
+    }
+    if lead > 0 {
+        let b = canonical[lead - 1];
+        let len = match b {
+            0xf0.. => 4,
+            0xe0.. => 3,
+            0xc0.. => 2,
+            _ => 1,
+        };
+        if end - (lead - 1) < len {
+            end = lead - 1;
+        }
+    }
+    let from = end.saturating_sub(CUT_SEEK_BYTES);
+    let ws = |b: u8| matches!(b, b' ' | b'\n' | b'\t' | b'\r');
+    if let Some(at) = canonical[from..end]
+        .iter()
+        .rposition(|&b| ws(b) || b == MESSAGE_START || b == ROLE_END)
+        .map(|i| from + i)
+        .filter(|&i| ws(canonical[i]))
+    {
+        let mut start = at;
+        while start > 0 && ws(canonical[start - 1]) {
+            start -= 1;
+        }
+        end = start;
+    }
+    canonical.truncate(end);
+    if endpoint == Endpoint::Chat {
+        // A last message cut inside its role is left out.
+        if let Some(rs) = memchr::memrchr(MESSAGE_START, canonical)
+            && memchr::memchr(ROLE_END, &canonical[rs..]).is_none()
+        {
+            canonical.truncate(rs);
+        }
+    }
+}
+
+/// A canonical prompt as [`engine_tokens`] takes it.
+#[derive(Clone, Copy, Debug)]
+pub struct PromptText<'a> {
+    pub endpoint: Endpoint,
+    /// The canonical prompt, or its start when `cut`.
+    pub canonical: &'a [u8],
+    /// A completion given as token ids (little-endian u32s).
+    pub token_ids: bool,
+    /// `canonical` is the start of a longer prompt ([`cut`]).
+    pub cut: bool,
+}
+
 /// A worker's tokenizing scratch: the rendered text of the toy tokenizer.
 #[derive(Default)]
 pub struct TokenScratch {
@@ -90,18 +169,23 @@ pub struct TokenScratch {
 /// then tokenized (a short new last message may be left out, see
 /// `tokenizer`); completion text is tokenized as it is; a prompt given as
 /// token ids (`token_ids`) is those ids. `pool` keeps the tokens of pieces
-/// seen. False when the tokens cannot be
-/// had (no tokenizer loaded for the model, or it failed on this request:
-/// reported once): the request routes on the approximate index.
+/// seen. A prompt that was [`cut`] gives tokens that end a little before
+/// the cut. False when the tokens cannot be had (no tokenizer loaded for
+/// the model, or it failed on this request: reported once): the request
+/// routes on the approximate index.
 pub fn engine_tokens(
     choice: &Choice,
     pool: &TokenPool,
-    endpoint: Endpoint,
-    canonical: &[u8],
-    token_ids: bool,
+    prompt: &PromptText<'_>,
     scratch: &mut TokenScratch,
     out: &mut Vec<u32>,
 ) -> bool {
+    let PromptText {
+        endpoint,
+        canonical,
+        token_ids,
+        cut,
+    } = *prompt;
     out.clear();
     if token_ids && endpoint != Endpoint::Chat {
         out.extend(
@@ -113,15 +197,18 @@ pub fn engine_tokens(
     }
     match choice {
         Choice::Toy => {
-            toy_tokens(endpoint, canonical, &mut scratch.text, out);
+            toy_tokens(endpoint, canonical, cut, &mut scratch.text, out);
+            if cut {
+                out.truncate(out.len().saturating_sub(CUT_MARGIN_TOKENS));
+            }
             true
         }
         Choice::Unavailable => false,
         Choice::Model(t) => {
             let done = match endpoint {
-                Endpoint::Chat => t.chat_tokens(canonical, pool, out),
+                Endpoint::Chat => t.chat_tokens(canonical, cut, pool, out),
                 Endpoint::Completions | Endpoint::Generate => {
-                    t.completion_tokens(canonical, pool, out)
+                    t.completion_tokens(canonical, cut, pool, out)
                 }
             };
             match done {
@@ -136,8 +223,15 @@ pub fn engine_tokens(
     }
 }
 
-/// `sim-engine`'s default tokens: ChatML, then 4-byte tokens.
-fn toy_tokens(endpoint: Endpoint, canonical: &[u8], text: &mut Vec<u8>, out: &mut Vec<u32>) {
+/// `sim-engine`'s default tokens: ChatML, then 4-byte tokens (`cut`: the
+/// text stops where the last message's does).
+fn toy_tokens(
+    endpoint: Endpoint,
+    canonical: &[u8],
+    cut: bool,
+    text: &mut Vec<u8>,
+    out: &mut Vec<u32>,
+) {
     match endpoint {
         Endpoint::Chat => {
             text.clear();
@@ -156,9 +250,13 @@ fn toy_tokens(endpoint: Endpoint, canonical: &[u8], text: &mut Vec<u8>, out: &mu
                 text.extend_from_slice(role);
                 text.push(b'\n');
                 text.extend_from_slice(content);
-                text.extend_from_slice(MSG_END);
+                if !(cut && at >= canonical.len()) {
+                    text.extend_from_slice(MSG_END);
+                }
             }
-            text.extend_from_slice(GENERATION_PROMPT);
+            if !cut {
+                text.extend_from_slice(GENERATION_PROMPT);
+            }
             tokenize_into(text, out);
         }
         Endpoint::Completions | Endpoint::Generate => tokenize_into(canonical, out),
@@ -199,12 +297,16 @@ mod tests {
             canon.extend_from_slice(text.as_bytes());
         }
         let (mut scratch, mut toks) = (TokenScratch::default(), Vec::new());
+        let prompt = PromptText {
+            endpoint: Endpoint::Chat,
+            canonical: &canon,
+            token_ids: false,
+            cut: false,
+        };
         assert!(engine_tokens(
             &Choice::Toy,
             &TokenPool::new(1000, 0),
-            Endpoint::Chat,
-            &canon,
-            false,
+            &prompt,
             &mut scratch,
             &mut toks
         ));

@@ -15,6 +15,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 
 use super::Precise;
 use super::confidence::{Snapshot, State};
+use super::tokenizer::TemplateState;
 use crate::fleet::backend::Fleet;
 
 /// How a per-backend series reads its value.
@@ -161,6 +162,76 @@ impl Collector for PreciseCollector {
             let m = encoder.encode_descriptor(name, &help, None, MetricType::Counter)?;
             ConstCounter::new(v).encode(m)?;
         }
+        let off = &p.tokenizers.offload.stats;
+        for (name, help, v) in [
+            (
+                "precise_tokenizer_jobs",
+                "Prompts handed to the tokenizing threads",
+                off.submitted.load(Relaxed),
+            ),
+            (
+                "precise_tokenizer_busy",
+                "Prompts not tokenized, every tokenizing thread busy and the queue full: routed on the approximate index",
+                off.busy.load(Relaxed),
+            ),
+            (
+                "precise_tokenizer_late",
+                "Requests whose tokens took longer than precise.tokenizer_wait_ms: routed on the approximate index",
+                off.late.load(Relaxed),
+            ),
+            (
+                "precise_tokenizer_abandoned",
+                "Prompts not tokenized, their request gone before a thread took them",
+                off.abandoned.load(Relaxed),
+            ),
+            (
+                "precise_tokenizer_cut",
+                "Prompts cut to precise.tokenizer_max_tokens before tokenizing",
+                off.cut.load(Relaxed),
+            ),
+        ] {
+            let help = format!("{help}.");
+            let m = encoder.encode_descriptor(name, &help, None, MetricType::Counter)?;
+            ConstCounter::new(v).encode(m)?;
+        }
+        let loaded = p.tokenizers.loaded();
+        let states: Vec<_> = loaded
+            .iter()
+            .map(|(model, t)| (*model, t.template_state()))
+            .collect();
+        let mut family = encoder.encode_descriptor(
+            "precise_template_usable",
+            "1 while a model tokenizer's chat template is used, 0 once it failed or cost too much (until reload; its model's chats route on the approximate index).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (model, (state, ..)) in &states {
+            let labels = [("model", *model), ("state", state.name())];
+            let m = family.encode_family(&labels)?;
+            ConstGauge::new(i64::from(*state == TemplateState::Ok)).encode(m)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "precise_template_skipped",
+            "Chats routed on the approximate index because their chat template is not used (failed or costly).",
+            None,
+            MetricType::Counter,
+        )?;
+        for (model, (_, _, skipped, _)) in &states {
+            let labels = [("model", *model)];
+            let m = family.encode_family(&labels)?;
+            ConstCounter::new(*skipped).encode(m)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "precise_template_refused",
+            "Chats the chat template refused (raise_exception): routed on the approximate index.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (model, (_, _, _, refused)) in &states {
+            let labels = [("model", *model)];
+            let m = family.encode_family(&labels)?;
+            ConstCounter::new(*refused).encode(m)?;
+        }
         let m = encoder.encode_descriptor(
             "precise_tokenizer_cache_tokens",
             "Tokens held by the tokenizer's cache.",
@@ -180,4 +251,36 @@ pub fn backend_json(p: &Precise, slot: usize) -> serde_json::Value {
         o.insert("held_blocks".into(), p.index.held_blocks(slot).into());
     }
     v
+}
+
+/// The model tokenizers and their chat templates, and the tokenizing
+/// threads, for `/admin/backends`.
+pub fn tokenizers_json(p: &Precise) -> serde_json::Value {
+    let t = &p.tokenizers;
+    let templates: Vec<_> = t
+        .loaded()
+        .iter()
+        .map(|(model, tk)| {
+            let (state, why, skipped, refused) = tk.template_state();
+            serde_json::json!({
+                "model": model,
+                "tokenizer": tk.dir().display().to_string(),
+                "template": state.name(),
+                "why": (!why.is_empty()).then_some(why),
+                "skipped_chats": skipped,
+                "refused_chats": refused,
+            })
+        })
+        .collect();
+    let s = &t.offload.stats;
+    serde_json::json!({
+        "tokenizers": templates,
+        "max_tokens": t.max_tokens,
+        "threads": t.offload.threads,
+        "jobs": s.submitted.load(Relaxed),
+        "busy": s.busy.load(Relaxed),
+        "late": s.late.load(Relaxed),
+        "abandoned": s.abandoned.load(Relaxed),
+        "cut": s.cut.load(Relaxed),
+    })
 }

@@ -11,20 +11,24 @@
 //! - [`keys`]: the keys of blocks, and a request's engine tokens.
 //! - [`tokenizer`]: the model's tokenizer and chat template, with a cache
 //!   of the tokens of messages already seen.
+//! - [`offload`]: the threads that tokenize for the traffic workers,
+//!   bounded in work per request, in threads and in jobs waiting.
 //!
 //! Routing reads, per backend, the precise index while that backend is
 //! EXACT and the approximate index (`fleet::index`, always kept) while it
 //! is DEGRADED. Invariant: nothing here runs on the request path but
 //! [`Precise::matches`] and [`Precise::guard`] (atomics, no lock, no I/O),
-//! [`Adapters::of_model`] (a snapshot's load) and the tokenizer (its
-//! cache's shard locks are held for a lookup and a copy, never while
-//! tokenizing; no I/O).
+//! [`Adapters::of_model`] (a snapshot's load), the toy tokenizer and
+//! token ids (cut to the token budget), and handing a model tokenizer's
+//! work to [`offload`] (a queue's `try_send`). A model tokenizer and its
+//! chat template run on the offload threads, or the admin's.
 
 pub mod confidence;
 pub mod events;
 pub mod index;
 pub mod keys;
 pub mod metrics;
+pub mod offload;
 pub mod subscriber;
 pub mod tokenizer;
 

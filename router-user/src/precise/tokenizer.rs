@@ -21,10 +21,20 @@
 //! tokens come whole.) A long last message (a document pasted) is
 //! tokenized at once: other requests may share its start.
 //!
+//! A prompt longer than routing needs is cut first (`keys::cut`, the
+//! token budget `tokenizer_max_tokens`): what is tokenized ends where the
+//! cut is, a few tokens before it dropped, as they may differ from the
+//! whole text's. The engine, not the router, rejects a prompt longer than
+//! its context.
+//!
 //! A tokenizer that cannot be loaded is reported once at start and its model
-//! routes on the approximate index; one that fails on a request (a template
-//! that raises, text it refuses) is reported once and that request routes
-//! on the approximate index. Neither stops a request.
+//! routes on the approximate index. A chat template that fails on a
+//! request (an error of its own, not a `raise_exception` refusing that
+//! request's messages) or costs more than [`TEMPLATE_FUEL_PER_MESSAGE`]
+//! per message is remembered until reload ([`TemplateState`]): chats of
+//! its models route on the approximate index at once, without rendering
+//! (completions, which use no template, keep their tokens). A request the
+//! template refuses routes on the approximate index. None stops a request.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -38,12 +48,39 @@ use minijinja::{Environment, Value, context};
 use tokenizers::Tokenizer;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
+use super::offload::Offload;
 use crate::prompt::extract::{MESSAGE_START, ROLE_END};
 
 /// Template execution budget (minijinja "fuel", about one unit per
 /// instruction): real chat templates spend a few hundred units a message;
-/// this stops a template that loops without end after well under a second.
+/// this stops a template that loops without end after about 1.3 s (a
+/// nested loop measured in release). It is the ceiling of one render; the
+/// cost that marks a template costly is [`TEMPLATE_FUEL_PER_MESSAGE`].
 const TEMPLATE_FUEL: u64 = 50_000_000;
+
+/// Most fuel a render may spend per message rendered, plus
+/// [`TEMPLATE_FUEL_BASE`], before its template is marked costly: a
+/// template linear in the messages (every real one) spends tens to a few
+/// hundred units a message (ChatML: about 20), so this is 50x headroom; a
+/// template that loops over the messages for each message (quadratic or
+/// worse) passes it once a chat is long enough, and then costs seconds
+/// per request. Counted per message, not per render, so no client can
+/// make a linear template costly with a long chat (a chat over 2,500
+/// messages that runs out of [`TEMPLATE_FUEL`] is refused for itself).
+pub const TEMPLATE_FUEL_PER_MESSAGE: u64 = 20_000;
+
+/// What any render may spend besides its messages (the preamble: tools,
+/// a date, a default system prompt).
+pub const TEMPLATE_FUEL_BASE: u64 = 100_000;
+
+/// The message of `raise_exception`, so a template's refusal of a
+/// request's messages (roles that do not alternate...) is told from the
+/// template's own failure.
+const RAISED: &str = "the chat template raised: ";
+
+/// Tokens dropped from the end of a cut prompt: the text after the cut
+/// could have merged with them (a word split by the cut).
+pub const CUT_MARGIN_TOKENS: usize = 4;
 
 /// Default budget of the [`TokenPool`], in tokens (4 bytes each): 8M
 /// tokens, 32 MB, the histories of a thousand or so live conversations.
@@ -80,6 +117,40 @@ pub struct ModelTokenizer {
     seed: u64,
     /// A request failed already (warned once).
     warned: AtomicBool,
+    /// Whether the chat template is still used (see [`TemplateState`]).
+    template: TemplateHealth,
+}
+
+/// What a chat template has shown so far, until reload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TemplateState {
+    Ok,
+    /// Failed on a request with an error of its own.
+    Failed,
+    /// Spent more than [`TEMPLATE_FUEL_PER_MESSAGE`] per message.
+    Costly,
+}
+
+impl TemplateState {
+    pub fn name(self) -> &'static str {
+        match self {
+            TemplateState::Ok => "ok",
+            TemplateState::Failed => "failed",
+            TemplateState::Costly => "costly",
+        }
+    }
+}
+
+/// A template's state, why, and the chats routed around it.
+#[derive(Default)]
+struct TemplateHealth {
+    /// 0 ok, 1 failed, 2 costly.
+    state: std::sync::atomic::AtomicU8,
+    why: Mutex<String>,
+    /// Chats routed on the approximate index because of it.
+    skipped: AtomicU64,
+    /// Chats the template refused (`raise_exception`).
+    refused: AtomicU64,
 }
 
 impl fmt::Debug for ModelTokenizer {
@@ -161,7 +232,7 @@ impl ModelTokenizer {
         env.add_function("raise_exception", |msg: String| -> Result<Value, _> {
             Err(minijinja::Error::new(
                 minijinja::ErrorKind::InvalidOperation,
-                msg,
+                format!("{RAISED}{msg}"),
             ))
         });
         env.add_template_owned("chat", template)
@@ -195,6 +266,7 @@ impl ModelTokenizer {
             completion_suffix: Vec::new(),
             seed: xxh3_64_with_seed(&cfg_bytes, xxh3_64(&tk_bytes)),
             warned: AtomicBool::new(false),
+            template: TemplateHealth::default(),
         };
         // What the post-processor adds, seen on a probe text.
         let probe = "a";
@@ -223,20 +295,116 @@ impl ModelTokenizer {
     }
 
     /// Renders the chat of `messages` (role, content) with the generation
-    /// prompt, as the engine does before tokenizing.
+    /// prompt, as the engine does before tokenizing. What it costs is
+    /// weighed (see [`TemplateState`]): a template that fails or costs too
+    /// much is marked so; a render that succeeded is returned even so.
     pub fn render_chat(&self, messages: &[(&str, &str)]) -> Result<String, TokenizeError> {
+        if !self.use_template() {
+            return Err(err(
+                "the chat template is not used (failed or costly earlier)",
+            ));
+        }
         let msgs: Vec<Value> = messages
             .iter()
             .map(|(role, content)| context! { role => role, content => content })
             .collect();
         let tmpl = self.env.get_template("chat").map_err(err)?;
-        tmpl.render(context! {
+        let allowed = TEMPLATE_FUEL_BASE + TEMPLATE_FUEL_PER_MESSAGE * messages.len() as u64;
+        let rendered = tmpl.render_captured(context! {
             messages => msgs,
             add_generation_prompt => true,
             bos_token => &self.bos,
             eos_token => &self.eos,
-        })
-        .map_err(|e| err(format!("chat_template: {e}")))
+        });
+        match rendered {
+            Ok(captured) => {
+                let spent = captured.state().fuel_levels().map_or(0, |(used, _)| used);
+                let text = captured.into_output();
+                if spent > allowed {
+                    self.mark(
+                        TemplateState::Costly,
+                        format!(
+                            "{spent} fuel units for {} messages (at most {TEMPLATE_FUEL_PER_MESSAGE} a message)",
+                            messages.len()
+                        ),
+                    );
+                }
+                Ok(text)
+            }
+            Err(e) if e.kind() == minijinja::ErrorKind::OutOfFuel => {
+                if TEMPLATE_FUEL > allowed {
+                    self.mark(
+                        TemplateState::Costly,
+                        format!(
+                            "ran out of fuel ({TEMPLATE_FUEL} units) on {} messages",
+                            messages.len()
+                        ),
+                    );
+                }
+                Err(err(format!("chat_template: {e}")))
+            }
+            Err(e) if format!("{e:#}").contains(RAISED) => {
+                self.template.refused.fetch_add(1, Relaxed);
+                Err(err(format!("chat_template: {e}")))
+            }
+            Err(e) => {
+                self.mark(TemplateState::Failed, format!("{e:#}"));
+                Err(err(format!("chat_template: {e}")))
+            }
+        }
+    }
+
+    /// Whether a chat is to be rendered with the template (not marked);
+    /// a chat that is not is counted.
+    pub fn use_template(&self) -> bool {
+        let usable = self.template.state.load(Relaxed) == 0;
+        if !usable {
+            self.template.skipped.fetch_add(1, Relaxed);
+        }
+        usable
+    }
+
+    /// The template's state, why it left `Ok`, the chats routed around it
+    /// since, and the chats it refused.
+    pub fn template_state(&self) -> (TemplateState, String, u64, u64) {
+        let t = &self.template;
+        let state = match t.state.load(Relaxed) {
+            0 => TemplateState::Ok,
+            1 => TemplateState::Failed,
+            _ => TemplateState::Costly,
+        };
+        let why = t.why.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        (state, why, t.skipped.load(Relaxed), t.refused.load(Relaxed))
+    }
+
+    /// Marks the template (the first mark stands until reload), warning once.
+    fn mark(&self, state: TemplateState, why: String) {
+        let code = if state == TemplateState::Failed { 1 } else { 2 };
+        if self
+            .template
+            .state
+            .compare_exchange(0, code, Relaxed, Relaxed)
+            .is_err()
+        {
+            return;
+        }
+        tracing::warn!(
+            tokenizer = %self.dir.display(),
+            state = state.name(),
+            why = %why,
+            "precise mode: the chat template is not used until reload; chats of its models route on the approximate index"
+        );
+        *self.template.why.lock().unwrap_or_else(|p| p.into_inner()) = why;
+    }
+
+    /// Forgets what the template showed (a reload).
+    pub fn reset_template(&self) {
+        self.template
+            .why
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+        self.template.state.store(0, Relaxed);
     }
 
     /// Appends the tokens of `text` (no post-processing) to `out`, piece by
@@ -302,9 +470,13 @@ impl ModelTokenizer {
     /// text` per message, as `prompt::extract` writes it) is `canonical`.
     /// A short last message not in `pool` is left to the pool's thread
     /// (see the module's text): `out` then holds the tokens before it.
+    /// `cut`: `canonical` is the start of a longer prompt (`keys::cut`);
+    /// the tokens end where its last message's text ends, less
+    /// [`CUT_MARGIN_TOKENS`].
     pub fn chat_tokens(
         self: &Arc<Self>,
         canonical: &[u8],
+        cut: bool,
         pool: &TokenPool,
         out: &mut Vec<u32>,
     ) -> Result<(), TokenizeError> {
@@ -315,6 +487,26 @@ impl ModelTokenizer {
             .map(|m| m.split_once(ROLE_END as char).unwrap_or((m, "")))
             .collect();
         let text = self.render_chat(&messages)?;
+        if cut {
+            // The rendered text up to the cut message's end (the template
+            // copies it whole; if it does not, the tokens after it are
+            // not the engine's and simply match nothing).
+            let end = messages
+                .last()
+                .map(|(_, last)| {
+                    let mut from = last.len().saturating_sub(64);
+                    while !last.is_char_boundary(from) {
+                        from += 1;
+                    }
+                    let tail = &last[from..];
+                    memchr::memmem::rfind(text.as_bytes(), tail.as_bytes())
+                        .map_or(text.len(), |at| at + tail.len())
+                })
+                .unwrap_or(text.len());
+            self.pieces_into(&text[..end], pool, out, usize::MAX)?;
+            out.truncate(out.len().saturating_sub(CUT_MARGIN_TOKENS));
+            return Ok(());
+        }
         // Where the last message's text starts in the rendered chat (the
         // template copies it whole; if it does not, nothing is left).
         let defer_from = match messages.last() {
@@ -329,17 +521,23 @@ impl ModelTokenizer {
         Ok(())
     }
 
-    /// The engine's tokens of a completion prompt.
+    /// The engine's tokens of a completion prompt (`cut`: the start of a
+    /// longer one, see [`Self::chat_tokens`]).
     pub fn completion_tokens(
         &self,
         text: &[u8],
+        cut: bool,
         pool: &TokenPool,
         out: &mut Vec<u32>,
     ) -> Result<(), TokenizeError> {
         let text = std::str::from_utf8(text).map_err(err)?;
         out.extend_from_slice(&self.completion_prefix);
         self.pieces_into(text, pool, out, usize::MAX)?;
-        out.extend_from_slice(&self.completion_suffix);
+        if cut {
+            out.truncate(out.len().saturating_sub(CUT_MARGIN_TOKENS));
+        } else {
+            out.extend_from_slice(&self.completion_suffix);
+        }
         Ok(())
     }
 
@@ -552,6 +750,14 @@ fn tokenize_deferred(pool: &Weak<TokenPool>, rx: &Receiver<Deferred>) {
     }
 }
 
+/// The tokenizing pool's bounds (`[precise]`, documented there).
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub threads: usize,
+    pub queue: usize,
+    pub max_tokens: usize,
+}
+
 /// Which tokenizer a model's requests use.
 #[derive(Clone, Debug)]
 pub enum Choice {
@@ -571,6 +777,10 @@ pub struct Tokenizers {
     /// The tokens of pieces seen, every model's (keys are seeded per
     /// tokenizer).
     pub pool: Arc<TokenPool>,
+    /// The threads that tokenize for the traffic workers.
+    pub offload: Offload,
+    /// Most tokens of a prompt routing uses (`tokenizer_max_tokens`).
+    pub max_tokens: usize,
 }
 
 impl Default for Tokenizers {
@@ -579,9 +789,24 @@ impl Default for Tokenizers {
             default: Choice::Toy,
             models: BTreeMap::new(),
             pool: TokenPool::new(DEFAULT_CACHE_TOKENS, 0),
+            offload: Offload::none(),
+            max_tokens: DEFAULT_MAX_TOKENS,
         }
     }
 }
+
+/// Default most tokens of a prompt routing uses: 16,384 (1,024 blocks of
+/// 16), cut from the first 64 KiB of the prompt
+/// ([`CUT_BYTES_PER_TOKEN`]). Tokenizing that much cold costs about 30 ms
+/// (decision 0046); two prompts alike that far are routed alike, and past
+/// it a backend that holds it all is credited with what the approximate
+/// index says it holds beyond.
+pub const DEFAULT_MAX_TOKENS: usize = 16 << 10;
+
+/// Bytes of prompt cut per token of the budget: about a token of English
+/// text (the toy tokenizer's exactly). Denser text gives more tokens,
+/// which are dropped past the budget.
+pub const CUT_BYTES_PER_TOKEN: usize = 4;
 
 impl Tokenizers {
     /// Loads `default_dir` (for every model without an entry) and each
@@ -591,6 +816,7 @@ impl Tokenizers {
         default_dir: Option<&Path>,
         models: &BTreeMap<String, PathBuf>,
         pool: Arc<TokenPool>,
+        limits: Limits,
     ) -> Tokenizers {
         let load = |dir: &Path, model: &str| match ModelTokenizer::load(dir) {
             Ok(t) => {
@@ -607,13 +833,48 @@ impl Tokenizers {
                 Choice::Unavailable
             }
         };
+        let default = default_dir.map_or(Choice::Toy, |d| load(d, "*"));
+        let models: BTreeMap<String, Choice> = models
+            .iter()
+            .map(|(m, d)| (m.clone(), load(d, m)))
+            .collect();
+        let any_model = std::iter::once(&default)
+            .chain(models.values())
+            .any(|c| matches!(c, Choice::Model(_)));
+        let offload = if any_model {
+            Offload::start(
+                limits.threads,
+                limits.queue,
+                pool.clone(),
+                limits.max_tokens,
+            )
+        } else {
+            Offload::none()
+        };
         Tokenizers {
-            default: default_dir.map_or(Choice::Toy, |d| load(d, "*")),
-            models: models
-                .iter()
-                .map(|(m, d)| (m.clone(), load(d, m)))
-                .collect(),
+            default,
+            models,
             pool,
+            offload,
+            max_tokens: limits.max_tokens.max(1),
+        }
+    }
+
+    /// Every model tokenizer by the model it serves (`*`: the default).
+    pub fn loaded(&self) -> Vec<(&str, &Arc<ModelTokenizer>)> {
+        std::iter::once(("*", &self.default))
+            .chain(self.models.iter().map(|(m, c)| (m.as_str(), c)))
+            .filter_map(|(m, c)| match c {
+                Choice::Model(t) => Some((m, t)),
+                Choice::Toy | Choice::Unavailable => None,
+            })
+            .collect()
+    }
+
+    /// A reload: every template is used again until it shows otherwise.
+    pub fn reset_templates(&self) {
+        for (_, t) in self.loaded() {
+            t.reset_template();
         }
     }
 

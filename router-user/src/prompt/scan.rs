@@ -137,6 +137,22 @@ impl Canonical {
         }
     }
 
+    /// Writes at most the first `max` bytes of the canonical prompt to
+    /// `out` (cleared first); true when that is not all of it.
+    pub fn write_prefix_to(&self, body: &[u8], out: &mut Vec<u8>, max: usize) -> bool {
+        out.clear();
+        out.reserve(self.len.min(max));
+        for p in self.pieces(body) {
+            let room = max - out.len();
+            if p.len() >= room {
+                out.extend_from_slice(&p[..room]);
+                return self.len > max;
+            }
+            out.extend_from_slice(p);
+        }
+        false
+    }
+
     /// Gives back a side buffer over `keep` bytes.
     pub fn shrink(&mut self, keep: usize) {
         if self.aux.capacity() > keep {

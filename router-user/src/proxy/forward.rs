@@ -14,7 +14,7 @@ use tracing::{debug, info};
 use crate::config::{Config, ms};
 use crate::error::{Kind, Resend, RouterError};
 use crate::fleet::backend::{Backend, InFlight};
-use crate::fleet::feedback::{Usage, UsageScanner};
+use crate::fleet::feedback::{Reported, UsageScanner};
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{BodyFraming, RequestHead};
 use crate::http::response::{self, ResponseFraming};
@@ -94,8 +94,8 @@ pub struct Answered {
     pub status: u16,
     /// The client connection must close afterwards.
     pub close_client: bool,
-    /// What the engine said it had cached of the prompt.
-    pub usage: Option<Usage>,
+    /// What the engine said it had cached of the prompt, checked.
+    pub usage: Reported,
     /// The answer was an event stream (its first byte is a first token).
     pub streaming: bool,
     pub first_body_at: Option<Instant>,
@@ -282,7 +282,7 @@ pub async fn forward(
     Ok(Answered {
         status: rhead.status,
         close_client,
-        usage: usage.usage(),
+        usage: usage.report(),
         streaming,
         first_body_at,
     })

@@ -5,18 +5,21 @@
 
 use std::time::{Duration, Instant};
 
+use monoio::io::AsyncReadRent;
 use tracing::warn;
 
 use crate::config::{Config, ms};
 use crate::error::{Kind, Resend, RouterError};
 use crate::fleet::backend::Backend;
+use crate::fleet::feedback::Reported;
 use crate::fleet::models::ModelStats;
+use crate::precise::keys::EngineTokens;
 use crate::proxy::api;
 use crate::proxy::client::{Body, ClientConn, Request};
 use crate::proxy::forward::{self, Attempt, Failure};
 use crate::proxy::io::write_all;
 use crate::proxy::worker::Worker;
-use crate::shared::{RouteQuery, Routed};
+use crate::shared::{RouteQuery, Routed, TokensFrom};
 
 /// How often a request queued for room under `limits.max_in_flight_per_backend`
 /// checks the backends' in-flight counters (atomic loads; it routes again only
@@ -49,12 +52,13 @@ pub async fn handle(
         let sent = write_all(&mut c.stream, &mut resp, ms(cfg.timeouts.client_write_ms)).await;
         return Ok(close || sent.is_err());
     }
+    let tokens = offload_tokens(worker, cfg, c, req).await;
     let deadline = Instant::now() + ms(cfg.timeouts.queue_ms);
     let mut head_finished = false;
     let mut tries = Tries::default();
     loop {
         let started = Instant::now();
-        let mut routed = route_once(worker, c, req)?;
+        let mut routed = route_once(worker, c, req, tokens.as_ref())?;
         // The router's own time: from the request read to the first
         // decision, plus each decision again after waiting; the wait itself
         // is the queue's.
@@ -72,7 +76,7 @@ pub async fn handle(
                 monoio::time::sleep(QUEUE_POLL).await;
                 if has_room(cfg, &routed) {
                     let again = Instant::now();
-                    routed = route_once(worker, c, req)?;
+                    routed = route_once(worker, c, req, tokens.as_ref())?;
                     routing += again.elapsed();
                 }
             }
@@ -294,9 +298,18 @@ async fn attempt(
         }
     };
     if (200..300).contains(&answer.status) {
-        if let Some(u) = answer.usage {
-            router.observe_answer(backend, &c.blocks, at.matched_blocks, at.shared_blocks, u);
-            model.usage(u.prompt_tokens, u.cached_tokens);
+        match answer.usage {
+            Reported::Valid(u) => {
+                router.observe_answer(backend, &c.blocks, at.matched_blocks, at.shared_blocks, u);
+                model.usage(u.prompt_tokens, u.cached_tokens);
+            }
+            // Nothing learned from it, for this backend or any other.
+            Reported::Invalid(why) => {
+                if backend.feedback.invalid_report() {
+                    warn!(backend = %backend.url, why = why.describe(), "an answer's usage is not believed: such answers teach the closed loop nothing (counted in prefix_router_usage_invalid_total; warned once per backend)");
+                }
+            }
+            Reported::Nothing => {}
         }
         if answer.streaming
             && let Some(t) = answer.first_body_at
@@ -370,6 +383,7 @@ fn route_once(
     worker: &Worker,
     c: &mut ClientConn,
     req: Request<'_>,
+    tokens: Option<&EngineTokens>,
 ) -> Result<Routed, RouterError> {
     let endpoint = api::endpoint(req.head, &c.fwd);
     let ClientConn {
@@ -382,9 +396,51 @@ fn route_once(
             Body::Decoded => body,
         },
         session: req.head.session,
+        tokens: TokensFrom::Worker(tokens),
     };
     let mut scratch = worker.scratch.borrow_mut();
     worker.router.route(&query, &mut scratch, blocks)
+}
+
+/// Precise mode: the request's engine tokens when a model tokenizer makes
+/// them, made by the tokenizing threads (`precise::offload`) while this
+/// worker serves its other connections. `None` (the request routes on the
+/// approximate index) when there is nothing to make, the threads are busy,
+/// or the tokens take longer than `precise.tokenizer_wait_ms`.
+async fn offload_tokens(
+    worker: &Worker,
+    cfg: &Config,
+    c: &ClientConn,
+    req: Request<'_>,
+) -> Option<EngineTokens> {
+    let precise = worker.router.precise.as_ref()?;
+    let job = {
+        let query = RouteQuery {
+            endpoint: api::endpoint(req.head, &c.fwd),
+            body: match req.body {
+                Body::InBuf { start, end } => &c.buf[start..end],
+                Body::Decoded => &c.body,
+            },
+            session: None,
+            tokens: TokensFrom::Worker(None),
+        };
+        let mut scratch = worker.scratch.borrow_mut();
+        worker.router.token_job(&query, &mut scratch)?
+    };
+    let offload = &precise.tokenizers.offload;
+    let mut pending = offload.submit(job)?;
+    // The thread drops its end when the tokens are in: the read ends.
+    if let Some(done) = pending.done.take()
+        && let Ok(mut done) = monoio::net::UnixStream::from_std(done)
+    {
+        let wait = ms(cfg.precise.tokenizer_wait_ms);
+        let _ = monoio::time::timeout(wait, done.read(vec![0u8; 1])).await;
+    }
+    let tokens = pending.take();
+    if tokens.is_none() {
+        offload.late();
+    }
+    tokens.flatten()
 }
 
 /// Whether a request that found no candidate should wait: some backend is up

@@ -363,6 +363,8 @@ pub struct Responder<'a> {
     pub digest: u64,
     pub prompt_tokens: usize,
     pub max_tokens: u32,
+    /// Fault: written in place of the cached-token count.
+    pub bad_cached: Option<&'a str>,
 }
 
 impl Responder<'_> {
@@ -380,6 +382,7 @@ impl Responder<'_> {
     }
 
     fn usage(&self, out: &mut Vec<u8>, completion: u32, cached: u32) {
+        let cached = self.cached(cached);
         let _ = write!(
             out,
             r#""usage":{{"prompt_tokens":{p},"total_tokens":{t},"completion_tokens":{completion},"prompt_tokens_details":{{"cached_tokens":{cached}}}}}"#,
@@ -427,7 +430,14 @@ impl Responder<'_> {
         o
     }
 
+    /// The cached-token count as written: the true one, or the fault's.
+    fn cached(&self, cached: u32) -> String {
+        self.bad_cached
+            .map_or_else(|| cached.to_string(), str::to_owned)
+    }
+
     fn meta_info(&self, o: &mut Vec<u8>, generated: u32, cached: u32, done: bool) {
+        let cached = self.cached(cached);
         let _ = write!(o, r#"{{"id":"{:016x}","finish_reason":"#, self.id);
         if done {
             let _ = write!(o, r#"{{"type":"length","length":{generated}}}"#);

@@ -92,6 +92,10 @@ pub struct EngineArgs {
     /// Real (unscaled) ms to wait before the first byte of each inference response.
     #[arg(long, default_value_t = 0)]
     pub stall_first_byte_ms: u64,
+    /// Write this JSON literal (e.g. `3.7`, `-5`) in place of every
+    /// answer's `cached_tokens`: an engine whose usage cannot be believed.
+    #[arg(long, allow_hyphen_values = true)]
+    pub bad_cached_tokens: Option<String>,
     /// Refuse connections for the first N ms: the port is bound only after
     /// N ms, so connects fail with ECONNREFUSED. Set at run time through
     /// POST /sim/faults, accepted connections are reset (RST) instead.

@@ -88,6 +88,7 @@ impl Engine {
                 fail_rate: args.fail_rate,
                 drop_mid_stream_rate: args.drop_mid_stream_rate,
                 stall_first_byte_ms: args.stall_first_byte_ms,
+                bad_cached_tokens: args.bad_cached_tokens.clone(),
                 ..Faults::default()
             },
             dice: Dice::new(args.seed),

@@ -27,6 +27,9 @@ pub struct Faults {
     /// KV events: restart as a new engine at the publisher's next turn
     /// (cache emptied silently, sequence back at 0, replay buffer gone).
     pub kv_events_restart: bool,
+    /// Written in place of every answer's `cached_tokens` (a JSON literal
+    /// such as `3.7` or `-5`: an engine whose usage cannot be believed).
+    pub bad_cached_tokens: Option<String>,
     /// KV events: both sockets are closed until this instant.
     #[serde(skip)]
     pub kv_events_pause_until: Option<Instant>,
@@ -43,6 +46,8 @@ pub struct FaultUpdate {
     pub kv_events_drop_seq: Option<u64>,
     pub kv_events_lose_seq: Option<u64>,
     pub kv_events_restart: Option<bool>,
+    /// `cached_tokens` written as this literal ("": the true count again).
+    pub bad_cached_tokens: Option<String>,
     /// Closes the KV event sockets for this many ms (the stream dies).
     pub kv_events_pause_ms: Option<u64>,
 }
@@ -70,6 +75,9 @@ impl Faults {
         }
         if let Some(v) = u.kv_events_restart {
             self.kv_events_restart = v;
+        }
+        if let Some(v) = &u.bad_cached_tokens {
+            self.bad_cached_tokens = (!v.is_empty()).then(|| v.clone());
         }
         if let Some(v) = u.kv_events_pause_ms {
             self.kv_events_pause_until = (v > 0).then(|| now + Duration::from_millis(v));

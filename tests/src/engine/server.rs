@@ -439,10 +439,15 @@ impl Server {
             }
         };
         self.model_requests[job.model].fetch_add(1, Ordering::Relaxed);
-        let (fail, drop_mid, stall) = {
+        let (fail, drop_mid, stall, bad_cached) = {
             let mut e = self.engine.lock().expect("engine lock");
             let (f, d) = (e.faults.fail_rate, e.faults.drop_mid_stream_rate);
-            (e.dice.roll(f), e.dice.roll(d), e.faults.stall_first_byte_ms)
+            (
+                e.dice.roll(f),
+                e.dice.roll(d),
+                e.faults.stall_first_byte_ms,
+                e.faults.bad_cached_tokens.clone(),
+            )
         };
         if stall > 0 {
             tokio::time::sleep(Duration::from_millis(stall)).await;
@@ -493,6 +498,7 @@ impl Server {
             digest: prompt.digest(),
             prompt_tokens: n,
             max_tokens: job.max_tokens,
+            bad_cached: bad_cached.as_deref(),
         };
         let drop_at = drop_mid.then_some(job.max_tokens / 2);
         if self.zero_cost {

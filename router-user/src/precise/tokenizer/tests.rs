@@ -1,5 +1,5 @@
 use super::*;
-use crate::precise::keys::{TokenScratch, engine_tokens};
+use crate::precise::keys::{PromptText, TokenScratch, engine_tokens};
 use crate::prompt::extract::Endpoint;
 
 use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
@@ -101,6 +101,14 @@ fn canonical(msgs: &[(&str, &str)]) -> Vec<u8> {
 }
 
 /// A pool that tokenizes every message on the request's wait.
+fn limits() -> Limits {
+    Limits {
+        threads: 1,
+        queue: 4,
+        max_tokens: DEFAULT_MAX_TOKENS,
+    }
+}
+
 fn pool_now() -> Arc<TokenPool> {
     TokenPool::new(DEFAULT_CACHE_TOKENS, 0)
 }
@@ -129,7 +137,8 @@ fn chat_tokens_by_piece_equal_the_whole_rendered_chat() {
         assert!(want.len() > 40, "the fixture tokenizes into real tokens");
         let before = tokenized(&pool);
         let mut got = Vec::new();
-        t.chat_tokens(&canonical(&msgs), &pool, &mut got).unwrap();
+        t.chat_tokens(&canonical(&msgs), false, &pool, &mut got)
+            .unwrap();
         assert_eq!(got, want, "turn {turn}");
         if turn > 0 {
             // The history is cached: only the new user message, the
@@ -141,10 +150,12 @@ fn chat_tokens_by_piece_equal_the_whole_rendered_chat() {
     // Warm: the same chat again tokenizes nothing.
     let msgs = as_pairs(&history);
     let mut a = Vec::new();
-    t.chat_tokens(&canonical(&msgs), &pool, &mut a).unwrap();
+    t.chat_tokens(&canonical(&msgs), false, &pool, &mut a)
+        .unwrap();
     let before = tokenized(&pool);
     let mut b = Vec::new();
-    t.chat_tokens(&canonical(&msgs), &pool, &mut b).unwrap();
+    t.chat_tokens(&canonical(&msgs), false, &pool, &mut b)
+        .unwrap();
     assert_eq!(a, b);
     assert_eq!(tokenized(&pool), before);
 }
@@ -172,7 +183,7 @@ fn a_new_short_last_message_is_tokenized_off_the_wait() {
         .unwrap();
     let head = &head[..head.len() - t.encode("<|im_start|>assistant\n", false).unwrap().len()];
     let mut got = Vec::new();
-    t.chat_tokens(&canon, &pool, &mut got).unwrap();
+    t.chat_tokens(&canon, false, &pool, &mut got).unwrap();
     assert_eq!(got, head, "the history's tokens, without the new message");
     assert!(want.starts_with(&got) && got.len() < want.len());
     assert_eq!(pool.deferred.load(Relaxed), 1);
@@ -181,7 +192,7 @@ fn a_new_short_last_message_is_tokenized_off_the_wait() {
     for _ in 0..500 {
         let mut again = Vec::new();
         let before = tokenized(&pool);
-        t.chat_tokens(&canon, &pool, &mut again).unwrap();
+        t.chat_tokens(&canon, false, &pool, &mut again).unwrap();
         if again == want && tokenized(&pool) == before {
             whole = true;
             break;
@@ -197,7 +208,8 @@ fn a_new_short_last_message_is_tokenized_off_the_wait() {
     assert!(msgs.last().unwrap().1.len() > 2048);
     let want = t.encode(&t.render_chat(&msgs).unwrap(), false).unwrap();
     let mut got = Vec::new();
-    t.chat_tokens(&canonical(&msgs), &pool, &mut got).unwrap();
+    t.chat_tokens(&canonical(&msgs), false, &pool, &mut got)
+        .unwrap();
     assert_eq!(got, want);
     assert_eq!(
         pool.deferred.load(Relaxed),
@@ -221,12 +233,12 @@ fn completion_tokens_equal_the_whole_with_the_post_processor() {
     let bos = t.tokenizer.token_to_id("<|endoftext|>").unwrap();
     assert_eq!(want[0], bos, "the fixture's post-processor adds a BOS");
     let mut got = Vec::new();
-    t.completion_tokens(text.as_bytes(), &pool, &mut got)
+    t.completion_tokens(text.as_bytes(), false, &pool, &mut got)
         .unwrap();
     assert_eq!(got, want);
     // A chat is tokenized without the post-processor, as vLLM does.
     let mut chat = Vec::new();
-    t.chat_tokens(&canonical(&[("user", "hi")]), &pool, &mut chat)
+    t.chat_tokens(&canonical(&[("user", "hi")]), false, &pool, &mut chat)
         .unwrap();
     assert_ne!(chat[0], bos);
 }
@@ -238,8 +250,13 @@ fn the_cache_stays_within_its_budget() {
     let pool = TokenPool::new(3000, 0);
     for i in 0..200 {
         let mut out = Vec::new();
-        t.chat_tokens(&canonical(&[("user", &words(i, 30))]), &pool, &mut out)
-            .unwrap();
+        t.chat_tokens(
+            &canonical(&[("user", &words(i, 30))]),
+            false,
+            &pool,
+            &mut out,
+        )
+        .unwrap();
         assert!(pool.tokens() <= 3000);
     }
     assert!(pool.tokens() > 0);
@@ -254,7 +271,7 @@ fn a_missing_or_failing_tokenizer_falls_back_to_the_approximate_index() {
         "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
     );
     models.insert("strict".to_owned(), raising);
-    let all = Tokenizers::load(None, &models, pool_now());
+    let all = Tokenizers::load(None, &models, pool_now(), limits());
     assert!(matches!(all.for_model(b"gone"), Choice::Unavailable));
     assert!(matches!(all.for_model(b"other"), Choice::Toy));
     let mut scratch = TokenScratch::default();
@@ -263,9 +280,12 @@ fn a_missing_or_failing_tokenizer_falls_back_to_the_approximate_index() {
     assert!(!engine_tokens(
         all.for_model(b"gone"),
         &all.pool,
-        Endpoint::Chat,
-        &canon,
-        false,
+        &PromptText {
+            endpoint: Endpoint::Chat,
+            canonical: &canon,
+            token_ids: false,
+            cut: false,
+        },
         &mut scratch,
         &mut out
     ));
@@ -275,9 +295,12 @@ fn a_missing_or_failing_tokenizer_falls_back_to_the_approximate_index() {
     assert!(!engine_tokens(
         strict,
         &all.pool,
-        Endpoint::Chat,
-        &canon,
-        false,
+        &PromptText {
+            endpoint: Endpoint::Chat,
+            canonical: &canon,
+            token_ids: false,
+            cut: false,
+        },
         &mut scratch,
         &mut out
     ));
@@ -290,9 +313,12 @@ fn a_missing_or_failing_tokenizer_falls_back_to_the_approximate_index() {
     assert!(engine_tokens(
         strict,
         &all.pool,
-        Endpoint::Chat,
-        &ok,
-        false,
+        &PromptText {
+            endpoint: Endpoint::Chat,
+            canonical: &ok,
+            token_ids: false,
+            cut: false,
+        },
         &mut scratch,
         &mut out
     ));
@@ -301,9 +327,12 @@ fn a_missing_or_failing_tokenizer_falls_back_to_the_approximate_index() {
     assert!(engine_tokens(
         all.for_model(b"gone"),
         &all.pool,
-        Endpoint::Completions,
-        &ids,
-        true,
+        &PromptText {
+            endpoint: Endpoint::Completions,
+            canonical: &ids,
+            token_ids: true,
+            cut: false,
+        },
         &mut scratch,
         &mut out
     ));
@@ -321,4 +350,118 @@ fn a_broken_directory_is_an_error_naming_the_file() {
     std::fs::write(no_template.join("tokenizer_config.json"), "{}").unwrap();
     let e = ModelTokenizer::load(&no_template).unwrap_err();
     assert!(e.0.contains("chat_template"), "{e}");
+}
+
+/// A template that costs more than its allowance per message is marked
+/// costly on the render that showed it (whose tokens are still used), and
+/// every later chat of its models skips it without rendering, until a
+/// reload; one that fails with an error of its own is marked failed; one
+/// that refuses a chat (`raise_exception`) is not marked.
+#[test]
+fn a_costly_or_failing_template_is_remembered_until_reload() {
+    // Three loops deep over the messages: 27 iterations for 3 messages,
+    // a million for 100 (over 20,000 fuel units a message).
+    let cubic = fixture(
+        "cubic",
+        "{% for a in messages %}{% for b in messages %}{% for c in messages %}{% endfor %}{% endfor %}{% endfor %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}",
+    );
+    let t = Arc::new(ModelTokenizer::load(&cubic).unwrap());
+    let pool = pool_now();
+    let short: Vec<(String, String)> = (0..3).map(|i| ("user".to_owned(), words(i, 5))).collect();
+    let mut out = Vec::new();
+    t.chat_tokens(&canonical(&as_pairs(&short)), false, &pool, &mut out)
+        .unwrap();
+    assert_eq!(
+        t.template_state().0,
+        TemplateState::Ok,
+        "3 messages are cheap"
+    );
+    let long: Vec<(String, String)> = (0..100).map(|i| ("user".to_owned(), words(i, 3))).collect();
+    let started = std::time::Instant::now();
+    let first = t.chat_tokens(&canonical(&as_pairs(&long)), false, &pool, &mut out);
+    let (state, why, ..) = t.template_state();
+    assert_eq!(state, TemplateState::Costly, "{why}");
+    assert!(first.is_err() || !out.is_empty());
+    // Marked: the next chat (even a cheap one) is not rendered at all.
+    let again = std::time::Instant::now();
+    assert!(
+        t.chat_tokens(&canonical(&as_pairs(&short)), false, &pool, &mut out)
+            .is_err()
+    );
+    assert!(again.elapsed() < started.elapsed() / 10);
+    assert_eq!(t.template_state().2, 1, "one chat skipped");
+    // Completions use no template: still tokenized.
+    out.clear();
+    t.completion_tokens(b"plain text", false, &pool, &mut out)
+        .unwrap();
+    assert!(!out.is_empty());
+    t.reset_template();
+    assert_eq!(t.template_state().0, TemplateState::Ok);
+    t.chat_tokens(&canonical(&as_pairs(&short)), false, &pool, &mut out)
+        .unwrap();
+
+    // A template error of its own: failed.
+    let broken = fixture("broken", "{{ messages[0]['content'] | no_such_filter }}");
+    let b = Arc::new(ModelTokenizer::load(&broken).unwrap());
+    assert!(
+        b.chat_tokens(&canonical(&as_pairs(&short)), false, &pool, &mut out)
+            .is_err()
+    );
+    assert_eq!(b.template_state().0, TemplateState::Failed);
+
+    // A refusal is the chat's, not the template's.
+    let raising = fixture(
+        "raising-once",
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    );
+    let r = Arc::new(ModelTokenizer::load(&raising).unwrap());
+    assert!(
+        r.chat_tokens(&canonical(&[("user", "hi")]), false, &pool, &mut out)
+            .is_err()
+    );
+    let (state, _, _, refused) = r.template_state();
+    assert_eq!((state, refused), (TemplateState::Ok, 1));
+    r.chat_tokens(
+        &canonical(&[("system", "be brief"), ("user", "hi")]),
+        false,
+        &pool,
+        &mut out,
+    )
+    .unwrap();
+}
+
+/// A prompt cut to the budget gives the whole prompt's first tokens: the
+/// cut lands before a word, and the last few tokens are dropped.
+#[test]
+fn a_cut_prompt_gives_the_whole_prompts_first_tokens() {
+    let dir = fixture("cut", CHATML);
+    let t = Arc::new(ModelTokenizer::load(&dir).unwrap());
+    let pool = pool_now();
+    let msgs = [("system", words(1, 50)), ("user", words(2, 3000))];
+    let whole_canon = canonical(&[(msgs[0].0, &msgs[0].1), (msgs[1].0, &msgs[1].1)]);
+    let want = t
+        .encode(
+            &t.render_chat(&[(msgs[0].0, &msgs[0].1), (msgs[1].0, &msgs[1].1)])
+                .unwrap(),
+            false,
+        )
+        .unwrap();
+    for max in [700usize, 2000, 5001] {
+        let mut canon = whole_canon[..max].to_vec();
+        crate::precise::keys::cut(&mut canon, Endpoint::Chat, false);
+        assert!(canon.len() <= max && canon.len() + 300 > max, "{max}");
+        let mut got = Vec::new();
+        t.chat_tokens(&canon, true, &pool, &mut got).unwrap();
+        assert!(got.len() > 100, "{max}: {}", got.len());
+        assert_eq!(got, want[..got.len()], "cut at {max}");
+        // Completions too (with the post-processor's BOS first).
+        let text = msgs[1].1.as_bytes();
+        let mut c = text[..max].to_vec();
+        crate::precise::keys::cut(&mut c, Endpoint::Completions, false);
+        let mut got = Vec::new();
+        t.completion_tokens(&c, true, &pool, &mut got).unwrap();
+        let mut whole = Vec::new();
+        t.completion_tokens(text, false, &pool, &mut whole).unwrap();
+        assert_eq!(got, whole[..got.len()], "completion cut at {max}");
+    }
 }

@@ -8,7 +8,13 @@
 //! - uploaders: bodies declared over `limits.max_body_bytes`, and bodies just
 //!   under it that are not JSON;
 //! - a trickling backend: a fleet member (drained, so it gets probes only)
-//!   whose `/health` answer comes one byte every 0.5 s in the hostile phase.
+//!   whose `/health` answer comes one byte every 0.5 s in the hostile phase;
+//! - huge chats (`--large-chats`): one message of `--large-chat-mib` (30
+//!   MiB) in a chat, sent again as soon as it is answered. With them the
+//!   router runs in precise mode for both phases, with a real tokenizer
+//!   (`testkit::tokenizer_fixture`) and the engines' KV events; the engines
+//!   tokenize their own way, so the huge chat is theirs to reject as longer
+//!   than their context.
 //!
 //! It reports, per phase, the normal requests' success rate and latency
 //! percentiles, the router's RSS over time, how fast the router's health
@@ -74,24 +80,42 @@ struct HostileStats {
     slowloris_lives: Mutex<Vec<f64>>,
     /// Upload outcomes: "413 (declared 64 MiB)" and the like, counted.
     uploads: Mutex<BTreeMap<String, u64>>,
+    /// Huge chats' outcomes, counted, and how long each took (s).
+    large_chats: Mutex<BTreeMap<String, u64>>,
+    large_chat_secs: Mutex<Vec<f64>>,
 }
 
 pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
     let ts = args.time_scale.to_string();
+    let precise = args.large_chats > 0;
+    let mut event_ports = Vec::new();
     let engines: Vec<SimEngine> = (0..args.engines)
         .map(|i| {
-            SimEngine::spawn(&[
+            let id = format!("e{i}");
+            let seed = i.to_string();
+            let a = [
                 "--id",
-                &format!("e{i}"),
+                &id,
                 "--time-scale",
                 &ts,
                 "--seed",
-                &i.to_string(),
+                &seed,
                 "--kv-blocks",
                 ENGINE_KV_BLOCKS,
-            ])
+            ];
+            if precise {
+                let (e, p, r) = SimEngine::spawn_with_event_ports(&a);
+                event_ports.push((p, r));
+                e
+            } else {
+                SimEngine::spawn(&a)
+            }
         })
         .collect();
+    let tokenizer = std::env::temp_dir().join(format!("soak-tokenizer-{}", std::process::id()));
+    if precise {
+        testkit::tokenizer_fixture::write(&tokenizer)?;
+    }
     let t0 = Instant::now();
     let canary = fake_backend(move |s| canary(s, t0));
     let trickling = Arc::new(AtomicBool::new(false));
@@ -100,11 +124,35 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
     let (canary_url, trickler_url) = (format!("http://{canary}"), format!("http://{trickler}"));
     let mut urls: Vec<String> = engines.iter().map(SimEngine::url).collect();
     urls.extend([canary_url.clone(), trickler_url.clone()]);
+    // Precise mode: the engines in the config with their event streams.
+    let (flag_urls, precise_cfg) = if precise {
+        let mut entries: Vec<String> = engines
+            .iter()
+            .zip(&event_ports)
+            .map(|(e, (p, r))| {
+                format!(
+                    "{{ url = \"{}\", kv_events = \"tcp://127.0.0.1:{p}\", kv_events_replay = \"tcp://127.0.0.1:{r}\" }}",
+                    e.url()
+                )
+            })
+            .collect();
+        entries.extend([format!("{canary_url:?}"), format!("{trickler_url:?}")]);
+        (
+            Vec::new(),
+            format!(
+                "backends = [{}]\n[precise]\nenabled = true\ntokenizer_dir = {:?}\n",
+                entries.join(", "),
+                tokenizer.display().to_string()
+            ),
+        )
+    } else {
+        (urls.clone(), String::new())
+    };
     let router = Router::spawn(
-        &urls,
+        &flag_urls,
         &[],
         &format!(
-            "[health]\ninterval_ms = 200\ntimeout_ms = 500\nrise = 2\nfall = 2\npassive_fall = 3\n\
+            "{precise_cfg}[health]\ninterval_ms = 200\ntimeout_ms = 500\nrise = 2\nfall = 2\npassive_fall = 3\n\
              [limits]\nmax_in_flight_per_backend = {}\n",
             args.max_in_flight
         ),
@@ -121,7 +169,8 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
     let pid = router.child.pid();
     println!(
         "hostile: {:.0} s per phase, {} engines, {} normal clients; hostile phase: {} slow readers, \
-         {} slowloris, {} uploaders ({} MiB and a declared {} MiB), a trickling backend; router pid {pid}",
+         {} slowloris, {} uploaders ({} MiB and a declared {} MiB), {} huge chats ({} MiB, precise mode {}), \
+         a trickling backend; router pid {pid}",
         phase_len.as_secs_f64(),
         args.engines,
         args.clients,
@@ -129,7 +178,10 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
         args.slowloris,
         args.uploaders,
         args.upload_mib,
-        OVER_LIMIT >> 20
+        OVER_LIMIT >> 20,
+        args.large_chats,
+        args.large_chat_mib,
+        if precise { "on" } else { "off" },
     );
 
     let watching = AtomicBool::new(true);
@@ -171,6 +223,14 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
                     phase.spawn(|| slowloris(addr, args.slowloris, &stop, &stats));
                     for _ in 0..args.uploaders {
                         phase.spawn(|| uploader(addr, args, &stop, &stats));
+                    }
+                    if precise {
+                        let body = Arc::new(large_chat(args.large_chat_mib));
+                        for _ in 0..args.large_chats {
+                            let body = body.clone();
+                            let (stop, stats) = (&stop, &stats);
+                            phase.spawn(move || large_chatter(addr, &body, stop, stats));
+                        }
                     }
                 }
                 let report = Duration::from_secs_f64(args.report_every);
@@ -270,6 +330,14 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
     for (what, n) in stats.uploads.lock().expect("uploads").iter() {
         println!("hostile: uploads {n}x: {what}");
     }
+    let secs = stats.large_chat_secs.lock().expect("secs").clone();
+    for (what, n) in stats.large_chats.lock().expect("large chats").iter() {
+        println!(
+            "hostile: huge chats {n}x: {what} (s each: median {:.2}, max {:.2})",
+            percentile(&secs, 0.5),
+            percentile(&secs, 1.0)
+        );
+    }
     let line: Vec<String> = rss
         .iter()
         .step_by(5)
@@ -292,6 +360,9 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
     );
     drop(router);
     drop(engines);
+    if precise {
+        let _ = std::fs::remove_dir_all(&tokenizer);
+    }
     anyhow::ensure!(!phases[0].3.is_empty(), "no traffic went through");
     Ok(())
 }
@@ -604,5 +675,54 @@ fn upload(addr: SocketAddr, declared: usize, body: &[u8]) -> String {
         Some(status) => status.to_owned(),
         None if sent.is_err() => "closed while sending".into(),
         None => "closed without an answer".into(),
+    }
+}
+
+/// A chat whose one message is `mib` MiB of the fixture's made-up words.
+fn large_chat(mib: usize) -> Vec<u8> {
+    let mut text = testkit::tokenizer_fixture::words(1, (mib << 20) / 5);
+    while text.len() < mib << 20 {
+        text.push_str(&testkit::tokenizer_fixture::words(text.len() as u64, 1000));
+    }
+    text.truncate(mib << 20);
+    json!({"model": "sim-llama-8b", "max_tokens": 8,
+           "messages": [{"role": "user", "content": text}]})
+    .to_string()
+    .into_bytes()
+}
+
+/// Sends the huge chat again as soon as each is answered.
+fn large_chatter(addr: SocketAddr, body: &[u8], stop: &AtomicBool, stats: &HostileStats) {
+    while !stop.load(Relaxed) {
+        let t0 = Instant::now();
+        let what = match testkit::http::request(
+            addr,
+            "POST",
+            "/v1/chat/completions",
+            &[("content-type", "application/json")],
+            body,
+        ) {
+            Ok(r) => {
+                let text = r.text();
+                let who = if text.contains("maximum context length") {
+                    "the engine: longer than its context"
+                } else {
+                    "other"
+                };
+                format!("{} ({who})", r.status)
+            }
+            Err(e) => format!("no answer: {}", e.kind()),
+        };
+        stats
+            .large_chat_secs
+            .lock()
+            .expect("secs")
+            .push(t0.elapsed().as_secs_f64());
+        *stats
+            .large_chats
+            .lock()
+            .expect("large chats")
+            .entry(what)
+            .or_default() += 1;
     }
 }

@@ -9,7 +9,8 @@
 //!
 //! With `--hostile` it runs the hostile-clients comparison instead (see
 //! `hostile.rs`): the same normal traffic first alone, then beside slow
-//! readers, slowloris clients, oversized uploads and a trickling backend.
+//! readers, slowloris clients, oversized uploads, huge chats to a router in
+//! precise mode and a trickling backend.
 
 mod hostile;
 
@@ -75,6 +76,14 @@ struct Args {
     /// Pause between one uploader's uploads, in ms.
     #[arg(long, default_value_t = 250)]
     upload_pause_ms: u64,
+    /// Hostile phase: clients that send huge chats (one message of
+    /// `--large-chat-mib`) to a router in precise mode with a real
+    /// tokenizer; 0 leaves precise mode off.
+    #[arg(long, default_value_t = 1)]
+    large_chats: usize,
+    /// Size of a huge chat's message in MiB (the default body limit is 32).
+    #[arg(long, default_value_t = 30)]
+    large_chat_mib: usize,
     /// `limits.max_in_flight_per_backend` of the router (0: no limit).
     #[arg(long, default_value_t = 0)]
     max_in_flight: u32,
