@@ -24,7 +24,7 @@ use crate::precise::keys::{EngineTokens, PromptText};
 use crate::precise::offload::Job;
 use crate::precise::subscriber::Subscriber;
 use crate::precise::tokenizer::CUT_BYTES_PER_TOKEN;
-use crate::prompt::extract::Endpoint;
+use crate::prompt::extract::{Endpoint, Prompt};
 use crate::prompt::hash::{block_hashes_pieces, cold_key};
 use crate::prompt::scan::{Canonical, scan};
 use crate::replica::Replica;
@@ -122,9 +122,27 @@ pub struct RouteScratch {
     /// Precise mode: the backends (by slot) the last request was matched
     /// on the precise index for (the others: on the approximate one).
     pub precise_mask: BackendSet,
+    /// What [`Router::token_job`]'s scan of the body in `canon` said.
+    scanned: Option<Prompt>,
 }
 
 impl RouteScratch {
+    /// Takes the scan [`Router::token_job`] left here, to be put back by
+    /// [`Self::restore_scan`] for the same body.
+    pub fn take_scan(&mut self) -> Option<Scanned> {
+        let prompt = self.scanned.take()?;
+        Some(Scanned {
+            canon: std::mem::take(&mut self.canon),
+            prompt,
+        })
+    }
+
+    /// Puts a taken scan back; its result goes in [`RouteQuery::scanned`].
+    pub fn restore_scan(&mut self, s: Scanned) -> Prompt {
+        self.canon = s.canon;
+        s.prompt
+    }
+
     /// Bytes of the last routed request's canonical prompt.
     pub fn canonical_len(&self) -> usize {
         self.canon.len()
@@ -177,6 +195,16 @@ pub struct RouteQuery<'a> {
     pub session: Option<u64>,
     /// Precise mode: where the request's engine tokens come from.
     pub tokens: TokensFrom<'a>,
+    /// The body was scanned already and its canonical prompt is in the
+    /// scratch ([`RouteScratch::restore_scan`]): this is what the scan said.
+    pub scanned: Option<Prompt>,
+}
+
+/// A body's scan kept across a wait (a request's tokens made off the
+/// worker), so routing does not scan a long body twice.
+pub struct Scanned {
+    canon: Canonical,
+    prompt: Prompt,
 }
 
 /// Where a request's engine tokens come from (precise mode).
@@ -323,7 +351,10 @@ impl Router {
     ) -> Result<Routed, RouterError> {
         let (seed, user, has_prompt) = match query.endpoint {
             Some(ep) => {
-                let p = scan(ep, query.body, &mut scratch.canon)?;
+                let p = match query.scanned {
+                    Some(p) => p,
+                    None => scan(ep, query.body, &mut scratch.canon)?,
+                };
                 scratch.answered = (ep == Endpoint::Chat).then(|| scratch.canon.answered());
                 (p.seed, p.user, true)
             }
@@ -452,9 +483,10 @@ impl Router {
     /// `prefix`, a body `route` will refuse). The prompt is cut to the
     /// token budget first.
     pub fn token_job(&self, query: &RouteQuery, scratch: &mut RouteScratch) -> Option<Job> {
+        scratch.scanned = None;
         let p = self.precise.as_ref()?;
         let ep = query.endpoint?;
-        scan(ep, query.body, &mut scratch.canon).ok()?;
+        scratch.scanned = Some(scan(ep, query.body, &mut scratch.canon).ok()?);
         let crate::precise::tokenizer::Choice::Model(t) =
             p.tokenizers.for_model(scratch.canon.model())
         else {

@@ -217,6 +217,7 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
         body,
         session: None,
         tokens: crate::shared::TokensFrom::Here,
+        scanned: None,
     };
     let routed = match router.route(&query, &mut scratch, &mut blocks) {
         Ok(r) => r,

@@ -60,8 +60,8 @@ const TEMPLATE_FUEL: u64 = 50_000_000;
 
 /// Most fuel a render may spend per message rendered, plus
 /// [`TEMPLATE_FUEL_BASE`], before its template is marked costly: a
-/// template linear in the messages (every real one) spends tens to a few
-/// hundred units a message (ChatML: about 20), so this is 50x headroom; a
+/// template linear in the messages (every real one) spends at most a few
+/// hundred units a message, so this is ample headroom; a
 /// template that loops over the messages for each message (quadratic or
 /// worse) passes it once a chat is long enough, and then costs seconds
 /// per request. Counted per message, not per render, so no client can
@@ -798,7 +798,7 @@ impl Default for Tokenizers {
 /// Default most tokens of a prompt routing uses: 16,384 (1,024 blocks of
 /// 16), cut from the first 64 KiB of the prompt
 /// ([`CUT_BYTES_PER_TOKEN`]). Tokenizing that much cold costs about 30 ms
-/// (decision 0046); two prompts alike that far are routed alike, and past
+/// (decision 0047); two prompts alike that far are routed alike, and past
 /// it a backend that holds it all is credited with what the approximate
 /// index says it holds beyond.
 pub const DEFAULT_MAX_TOKENS: usize = 16 << 10;

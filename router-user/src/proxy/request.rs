@@ -19,7 +19,7 @@ use crate::proxy::client::{Body, ClientConn, Request};
 use crate::proxy::forward::{self, Attempt, Failure};
 use crate::proxy::io::write_all;
 use crate::proxy::worker::Worker;
-use crate::shared::{RouteQuery, Routed, TokensFrom};
+use crate::shared::{RouteQuery, Routed, Scanned, TokensFrom};
 
 /// How often a request queued for room under `limits.max_in_flight_per_backend`
 /// checks the backends' in-flight counters (atomic loads; it routes again only
@@ -52,13 +52,13 @@ pub async fn handle(
         let sent = write_all(&mut c.stream, &mut resp, ms(cfg.timeouts.client_write_ms)).await;
         return Ok(close || sent.is_err());
     }
-    let tokens = offload_tokens(worker, cfg, c, req).await;
+    let (tokens, mut scanned) = offload_tokens(worker, cfg, c, req).await;
     let deadline = Instant::now() + ms(cfg.timeouts.queue_ms);
     let mut head_finished = false;
     let mut tries = Tries::default();
     loop {
         let started = Instant::now();
-        let mut routed = route_once(worker, c, req, tokens.as_ref())?;
+        let mut routed = route_once(worker, c, req, tokens.as_ref(), scanned.take())?;
         // The router's own time: from the request read to the first
         // decision, plus each decision again after waiting; the wait itself
         // is the queue's.
@@ -76,7 +76,7 @@ pub async fn handle(
                 monoio::time::sleep(QUEUE_POLL).await;
                 if has_room(cfg, &routed) {
                     let again = Instant::now();
-                    routed = route_once(worker, c, req, tokens.as_ref())?;
+                    routed = route_once(worker, c, req, tokens.as_ref(), None)?;
                     routing += again.elapsed();
                 }
             }
@@ -384,6 +384,7 @@ fn route_once(
     c: &mut ClientConn,
     req: Request<'_>,
     tokens: Option<&EngineTokens>,
+    scanned: Option<Scanned>,
 ) -> Result<Routed, RouterError> {
     let endpoint = api::endpoint(req.head, &c.fwd);
     let ClientConn {
@@ -397,8 +398,13 @@ fn route_once(
         },
         session: req.head.session,
         tokens: TokensFrom::Worker(tokens),
+        scanned: None,
     };
     let mut scratch = worker.scratch.borrow_mut();
+    let query = RouteQuery {
+        scanned: scanned.map(|s| scratch.restore_scan(s)),
+        ..query
+    };
     worker.router.route(&query, &mut scratch, blocks)
 }
 
@@ -406,15 +412,18 @@ fn route_once(
 /// them, made by the tokenizing threads (`precise::offload`) while this
 /// worker serves its other connections. `None` (the request routes on the
 /// approximate index) when there is nothing to make, the threads are busy,
-/// or the tokens take longer than `precise.tokenizer_wait_ms`.
+/// or the tokens take longer than `precise.tokenizer_wait_ms`. With them,
+/// the body's scan, for routing to take up (a long body is scanned once).
 async fn offload_tokens(
     worker: &Worker,
     cfg: &Config,
     c: &ClientConn,
     req: Request<'_>,
-) -> Option<EngineTokens> {
-    let precise = worker.router.precise.as_ref()?;
-    let job = {
+) -> (Option<EngineTokens>, Option<Scanned>) {
+    let Some(precise) = worker.router.precise.as_ref() else {
+        return (None, None);
+    };
+    let (job, scanned) = {
         let query = RouteQuery {
             endpoint: api::endpoint(req.head, &c.fwd),
             body: match req.body {
@@ -423,12 +432,17 @@ async fn offload_tokens(
             },
             session: None,
             tokens: TokensFrom::Worker(None),
+            scanned: None,
         };
         let mut scratch = worker.scratch.borrow_mut();
-        worker.router.token_job(&query, &mut scratch)?
+        let job = worker.router.token_job(&query, &mut scratch);
+        (job, scratch.take_scan())
+    };
+    let Some(pending) = job.and_then(|j| precise.tokenizers.offload.submit(j)) else {
+        return (None, scanned);
     };
     let offload = &precise.tokenizers.offload;
-    let mut pending = offload.submit(job)?;
+    let mut pending = pending;
     // The thread drops its end when the tokens are in: the read ends.
     if let Some(done) = pending.done.take()
         && let Ok(mut done) = monoio::net::UnixStream::from_std(done)
@@ -440,7 +454,7 @@ async fn offload_tokens(
     if tokens.is_none() {
         offload.late();
     }
-    tokens.flatten()
+    (tokens.flatten(), scanned)
 }
 
 /// Whether a request that found no candidate should wait: some backend is up

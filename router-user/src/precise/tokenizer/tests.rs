@@ -400,6 +400,16 @@ fn a_costly_or_failing_template_is_remembered_until_reload() {
     t.chat_tokens(&canonical(&as_pairs(&short)), false, &pool, &mut out)
         .unwrap();
 
+    // A linear template is never costly, however long the chat.
+    let chatml = Arc::new(ModelTokenizer::load(&fixture("linear", CHATML)).unwrap());
+    let very_long: Vec<(String, String)> = (0..2000)
+        .map(|i| ("user".to_owned(), words(i, 2)))
+        .collect();
+    chatml
+        .chat_tokens(&canonical(&as_pairs(&very_long)), false, &pool, &mut out)
+        .unwrap();
+    assert_eq!(chatml.template_state().0, TemplateState::Ok);
+
     // A template error of its own: failed.
     let broken = fixture("broken", "{{ messages[0]['content'] | no_such_filter }}");
     let b = Arc::new(ModelTokenizer::load(&broken).unwrap());
