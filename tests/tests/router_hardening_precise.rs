@@ -69,7 +69,7 @@ fn metric(text: &str, name: &str, labels: &str) -> Option<f64> {
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
-/// A 10 MB chat message (the 30 MB is the soak's, in release):
+/// A 10 MB chat message (30 MB is the hostile soak's, in release):
 /// before, the traffic worker tokenized all of it (6.5 s of CPU in
 /// release, gigabytes of RSS) while another client on it waited. Now it is
 /// cut to the token budget and tokenized on the router's tokenizing
@@ -140,7 +140,7 @@ fn a_huge_chat_is_cut_to_the_budget_off_the_workers_and_the_engine_rejects_it() 
     let worst = worst_ms.load(Ordering::Relaxed);
     assert!(normal.load(Ordering::Relaxed) >= 3, "the steady client ran");
     assert!(
-        worst < 3_000,
+        worst < 5_000,
         "a small chat beside the huge one waited {worst} ms"
     );
     let peak_mib = rss_peak.load(Ordering::Relaxed) / 1024;
@@ -193,7 +193,7 @@ fn a_costly_chat_template_is_paid_once_then_routed_around_until_reload() {
     }
     let took = started.elapsed();
     assert!(
-        took < Duration::from_secs(5),
+        took < Duration::from_secs(8),
         "20 chats took {took:?}: the template was paid on their way"
     );
     let deadline = Instant::now() + Duration::from_secs(60);
