@@ -759,7 +759,17 @@ impl Router {
     /// A peer replica sent `backend` a prompt of these blocks (precise
     /// mode's engine keys when it had them): learned as if sent from here,
     /// but its ages are the peer's to measure.
-    pub fn learn_remote(&self, backend: &Backend, hashes: &[u64], keys: &[u64]) {
+    ///
+    /// Its blocks count on the backend's clock and its re-sent blocks in
+    /// the retouch counts, as a send from here would, so the ages this
+    /// replica's closed loop reads are the fleet's. `ages` is scratch.
+    pub fn learn_remote(
+        &self,
+        backend: &Backend,
+        hashes: &[u64],
+        keys: &[u64],
+        ages: &mut Vec<u64>,
+    ) {
         if let Some(p) = &self.precise
             && !keys.is_empty()
         {
@@ -781,7 +791,16 @@ impl Router {
             }
             return;
         }
-        self.index.insert(backend.slot, hashes);
+        let sent = self.index.insert_aging(backend.slot, hashes, &[], ages);
+        self.index.distinct_ages(backend.slot, sent, ages);
+    }
+
+    /// A peer replica's answers from `backend` wrote `blocks` blocks: they
+    /// count on its clock, as this replica's own answers do.
+    pub fn answered_remote(&self, backend: &Backend, blocks: u32) {
+        if blocks > 0 && !backend.slots.is_slot_engine() {
+            self.index.allocated(backend.slot, u64::from(blocks));
+        }
     }
 
     /// A peer replica found `backend`'s engine flushed: it holds this
@@ -887,6 +906,9 @@ impl Router {
         // answers' share of what it uses.
         let answer = usage.completion_blocks(prompt_blocks);
         self.index.allocated(slot, u64::from(answer));
+        if self.replica.is_some() {
+            backend.load.remote.answered(answer);
+        }
         backend.feedback.observe_answer_blocks(answer);
         if cfg.prefix.learn_from_answers {
             backend

@@ -82,9 +82,22 @@ pub struct Remote {
     cells: [AtomicU64; MAX_PEERS],
     in_flight: AtomicU32,
     queued_prefill_blocks: AtomicU32,
+    /// Blocks this replica's answers from here wrote that the peers have
+    /// not been told yet (the next load message takes them).
+    unshared_answer_blocks: AtomicU32,
 }
 
 impl Remote {
+    /// This replica's answer from here wrote `blocks` blocks.
+    pub fn answered(&self, blocks: u32) {
+        self.unshared_answer_blocks.fetch_add(blocks, Relaxed);
+    }
+
+    /// The answer blocks not yet told to the peers, now told.
+    pub fn take_answered(&self) -> u32 {
+        self.unshared_answer_blocks.swap(0, Relaxed)
+    }
+
     /// Peer `peer` has this much work here now.
     pub fn set(&self, peer: usize, in_flight: u32, queued_prefill_blocks: u32) {
         let Some(cell) = self.cells.get(peer) else {

@@ -13,7 +13,8 @@
 //!   hashes (count, then each), precise mode's engine keys (count, each);
 //! - `Flushed`: backend, the prompt it holds now (count, hashes);
 //! - `Load`: count, then (backend, requests in flight, queued prefill
-//!   blocks) for each backend this replica has work on; also the heartbeat;
+//!   blocks, answer blocks written since the last load message) for each
+//!   backend this replica has work on; also the heartbeat;
 //! - `SnapshotRequest`: empty; `SnapshotBlocks`: backend, its capacity, then
 //!   (block, anchor) pairs oldest first; `SnapshotEnd`: backends sent.
 //!
@@ -197,7 +198,7 @@ pub enum Body<'a> {
         backend: u64,
         hashes: Words<'a>,
     },
-    /// (backend, in flight, queued prefill blocks) triples.
+    /// (backend, in flight, queued prefill blocks, answer blocks) entries.
     Load(&'a [u8]),
     SnapshotRequest,
     SnapshotBlocks {
@@ -212,14 +213,30 @@ pub enum Body<'a> {
 }
 
 /// Bytes of one `Load` entry.
-pub const LOAD_ENTRY_BYTES: usize = 16;
+pub const LOAD_ENTRY_BYTES: usize = 20;
+
+/// One backend's entry in a `Load` message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoadEntry {
+    pub backend: u64,
+    pub in_flight: u32,
+    pub queued_prefill_blocks: u32,
+    /// Blocks its answers wrote since the last load message (its cache
+    /// keeps them as it keeps prompts: they count on its clock).
+    pub answer_blocks: u32,
+}
 
 /// The entries of a `Load` body.
-pub fn load_entries(b: &[u8]) -> impl Iterator<Item = (u64, u32, u32)> + '_ {
+pub fn load_entries(b: &[u8]) -> impl Iterator<Item = LoadEntry> + '_ {
     b.chunks_exact(LOAD_ENTRY_BYTES).map(|c| {
         let w =
             |r: std::ops::Range<usize>| c[r].iter().rev().fold(0u64, |a, &x| a << 8 | u64::from(x));
-        (w(0..8), w(8..12) as u32, w(12..16) as u32)
+        LoadEntry {
+            backend: w(0..8),
+            in_flight: w(8..12) as u32,
+            queued_prefill_blocks: w(12..16) as u32,
+            answer_blocks: w(16..20) as u32,
+        }
     })
 }
 
@@ -375,16 +392,23 @@ mod tests {
     fn load_entries_read_back() {
         let mut p = Payload::new(Kind::Load, 64);
         p.u32(2);
-        p.u64(11).u32(3).u32(400);
-        p.u64(12).u32(0).u32(0);
+        p.u64(11).u32(3).u32(400).u32(7);
+        p.u64(12).u32(0).u32(0).u32(0);
         let f = seal(p, 1, 1, &key());
         let Body::Load(b) = open(&f, &key()).unwrap().body else {
             panic!("not a load")
         };
-        assert_eq!(
-            load_entries(b).collect::<Vec<_>>(),
-            [(11, 3, 400), (12, 0, 0)]
-        );
+        let e: Vec<_> = load_entries(b)
+            .map(|e| {
+                (
+                    e.backend,
+                    e.in_flight,
+                    e.queued_prefill_blocks,
+                    e.answer_blocks,
+                )
+            })
+            .collect();
+        assert_eq!(e, [(11, 3, 400, 7), (12, 0, 0, 0)]);
     }
 
     proptest::proptest! {

@@ -61,6 +61,7 @@ impl Follower {
             loaded: Vec::new(),
             hashes: Vec::new(),
             keys: Vec::new(),
+            ages: Vec::new(),
         };
         let thread = std::thread::Builder::new()
             .name("replica-follow".into())
@@ -114,6 +115,7 @@ struct Stream {
     loaded: Vec<Arc<Backend>>,
     hashes: Vec<u64>,
     keys: Vec<u64>,
+    ages: Vec<u64>,
 }
 
 impl Stream {
@@ -252,7 +254,8 @@ impl Stream {
                 };
                 hashes.to_vec_into(&mut self.hashes);
                 keys.to_vec_into(&mut self.keys);
-                self.router.learn_remote(&b, &self.hashes, &self.keys);
+                self.router
+                    .learn_remote(&b, &self.hashes, &self.keys, &mut self.ages);
                 if let Some(peer) = self.peer {
                     b.load.remote.bump(peer, prefill);
                     if !self.loaded.iter().any(|l| Arc::ptr_eq(l, &b)) {
@@ -268,20 +271,24 @@ impl Stream {
                 self.router.flushed_remote(&b, &self.hashes);
             }
             Body::Load(entries) => {
-                let Some(peer) = self.peer else {
-                    return false;
-                };
                 let mut now = Vec::new();
                 let mut unknown = false;
-                for (id, f, q) in load_entries(entries) {
-                    match self.by_id.get(&id) {
-                        Some(b) => {
-                            b.load.remote.set(peer, f, q);
-                            now.push(b.clone());
-                        }
-                        None => unknown = true,
+                for e in load_entries(entries) {
+                    let Some(b) = self.by_id.get(&e.backend) else {
+                        unknown = true;
+                        continue;
+                    };
+                    self.router.answered_remote(b, e.answer_blocks);
+                    if let Some(peer) = self.peer {
+                        b.load
+                            .remote
+                            .set(peer, e.in_flight, e.queued_prefill_blocks);
+                        now.push(b.clone());
                     }
                 }
+                let Some(peer) = self.peer else {
+                    return unknown;
+                };
                 for b in &self.loaded {
                     if !now.iter().any(|n| Arc::ptr_eq(n, b)) {
                         b.load.remote.set(peer, 0, 0);

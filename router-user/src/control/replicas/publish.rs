@@ -122,29 +122,34 @@ impl Publisher {
     }
 
     /// This replica's own work per backend (peers' work is theirs to
-    /// publish), and the entries' bytes to tell a change.
+    /// publish) and the answer blocks its engines wrote since the last
+    /// load message, and the entries' bytes to tell a change.
     fn load(&self) -> (Payload, Vec<u8>) {
         let fleet = self.router.fleet.load();
         let busy: Vec<_> = fleet
             .backends
             .iter()
             .map(|b| {
+                let l = &b.load;
+                let answered = l.remote.take_answered();
                 (
                     b.id_hash,
-                    b.load.in_flight(),
-                    b.load.queued_prefill_blocks(),
+                    l.in_flight(),
+                    l.queued_prefill_blocks(),
+                    answered,
                 )
             })
-            .filter(|&(_, f, q)| f > 0 || q > 0)
+            .filter(|&(_, f, q, a)| f > 0 || q > 0 || a > 0)
             .collect();
         let mut p = Payload::new(Kind::Load, 4 + LOAD_ENTRY_BYTES * busy.len());
         p.u32(busy.len() as u32);
         let mut entries = Vec::with_capacity(LOAD_ENTRY_BYTES * busy.len());
-        for (id, f, q) in busy {
-            p.u64(id).u32(f).u32(q);
+        for (id, f, q, a) in busy {
+            p.u64(id).u32(f).u32(q).u32(a);
             entries.extend_from_slice(&id.to_le_bytes());
             entries.extend_from_slice(&f.to_le_bytes());
             entries.extend_from_slice(&q.to_le_bytes());
+            entries.extend_from_slice(&a.to_le_bytes());
         }
         (p, entries)
     }
