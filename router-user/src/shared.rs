@@ -172,6 +172,9 @@ pub struct PromptBlocks {
     pub slot: Option<usize>,
     /// Precise mode: the keys of the prompt's engine blocks.
     pub keys: Vec<u64>,
+    /// Replicas: the id the peers know the request being sent by, when
+    /// they were told of it (`Router::learn`).
+    pub shared_as: Option<u64>,
     /// The request was routed by the `prefix` policy (its pool's or the
     /// router's): what was sent is learned, answers close the loop.
     pub prefix: bool,
@@ -697,12 +700,19 @@ impl Router {
     }
 
     /// Records that `backend` was sent the prompt with these block hashes,
-    /// `prefill` of them to compute, and tells the peer replicas. Returns
-    /// the clock stamp its blocks took in the index, for the request's
-    /// `InFlight::pin`.
-    pub fn learn(&self, backend: &Backend, blocks: &mut PromptBlocks, prefill: u32) -> Option<u64> {
+    /// predicted to hold `matched` and prefill `prefill` of them, and tells
+    /// the peer replicas. Returns the clock stamp its blocks took in the
+    /// index, for the request's `InFlight::pin`.
+    pub fn learn(
+        &self,
+        backend: &Backend,
+        blocks: &mut PromptBlocks,
+        matched: u32,
+        prefill: u32,
+    ) -> Option<u64> {
         blocks.ages.clear();
         blocks.slot = None;
+        blocks.shared_as = None;
         if let Some(p) = &self.precise
             && !blocks.keys.is_empty()
         {
@@ -713,8 +723,14 @@ impl Router {
             && (learned || !blocks.keys.is_empty())
         {
             let hashes: &[u64] = if learned { &blocks.hashes } else { &[] };
+            let request = r.outbox.request_id();
+            let prompt = crate::replica::Prompt {
+                hashes,
+                keys: &blocks.keys,
+            };
             r.outbox
-                .sent(backend.id_hash, prefill, hashes, &blocks.keys);
+                .sent(backend.id_hash, request, matched, prefill, prompt);
+            blocks.shared_as = Some(request);
         }
         if !learned {
             return None;
@@ -769,14 +785,14 @@ impl Router {
         hashes: &[u64],
         keys: &[u64],
         ages: &mut Vec<u64>,
-    ) {
+    ) -> Option<u64> {
         if let Some(p) = &self.precise
             && !keys.is_empty()
         {
             p.guard(backend.slot, keys, p.now_ms());
         }
         if hashes.is_empty() {
-            return;
+            return None;
         }
         if backend.slots.is_slot_engine() {
             let now = self.ticket.load(Relaxed);
@@ -789,10 +805,12 @@ impl Router {
             for other in fleet.backends.iter().filter(|b| b.slot != backend.slot) {
                 other.slots.moved_away(hashes);
             }
-            return;
+            return None;
         }
         let sent = self.index.insert_aging(backend.slot, hashes, &[], ages);
+        let stamp = sent.now + hashes.len() as u64;
         self.index.distinct_ages(backend.slot, sent, ages);
+        Some(stamp)
     }
 
     /// A peer replica's answers from `backend` wrote `blocks` blocks: they

@@ -199,6 +199,8 @@ fn an_unauthenticated_or_garbage_publisher_changes_nothing_and_grows_nothing() {
     let sent = |key: &Key| {
         let mut p = Payload::new(Kind::Sent, 16 + 8 * hashes.len());
         p.u64(engine0)
+            .u64(1)
+            .u32(0)
             .u32(0)
             .words(hashes.iter().copied())
             .words(std::iter::empty());

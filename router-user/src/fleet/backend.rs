@@ -146,7 +146,14 @@ struct Pin {
     /// The first block the engine computes for it (it held the ones
     /// before, as predicted), by position and hash.
     computing: Option<(u32, u64)>,
+    /// A peer replica's request: that peer's load cell and its request id
+    /// (`control::replicas` adds, marks and removes it).
+    remote: Option<(usize, u64)>,
 }
+
+/// The most peer requests one backend keeps pinned: past it the oldest
+/// goes (a peer that never says its requests ended cannot grow it).
+const MAX_REMOTE_PINS: usize = 4_096;
 
 impl Load {
     pub fn in_flight(&self) -> u32 {
@@ -181,7 +188,7 @@ impl Load {
     /// least) until its first body byte, so an engine with none is answered
     /// without the lock.
     pub fn computing_within(&self, hashes: &[u64], matched: u32) -> bool {
-        if self.queued_prefill_blocks() == 0 {
+        if self.queued_prefill_blocks() == 0 && self.remote.queued_prefill_blocks() == 0 {
             return false;
         }
         self.pins().iter().any(|p| {
@@ -232,6 +239,57 @@ impl Load {
 
     fn pins(&self) -> std::sync::MutexGuard<'_, Vec<Pin>> {
         self.pins.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A peer replica's request `request` took clock `stamp` here for its
+    /// `blocks` prompt blocks, to compute from `computing` on: pinned as
+    /// this replica's own requests are, until the peer says it ended.
+    pub fn pin_remote(
+        &self,
+        peer: usize,
+        request: u64,
+        stamp: u64,
+        blocks: u32,
+        computing: Option<(u32, u64)>,
+    ) {
+        let mut pins = self.pins();
+        if pins.iter().filter(|p| p.remote.is_some()).count() >= MAX_REMOTE_PINS
+            && let Some(i) = pins.iter().position(|p| p.remote.is_some())
+        {
+            pins.remove(i);
+        }
+        pins.push(Pin {
+            stamp,
+            blocks,
+            running: false,
+            computing,
+            remote: Some((peer, request)),
+        });
+    }
+
+    /// The peer's request got its first body byte: the engine runs it.
+    pub fn remote_prefilled(&self, peer: usize, request: u64) {
+        if let Some(p) = self
+            .pins()
+            .iter_mut()
+            .find(|p| p.remote == Some((peer, request)))
+        {
+            p.running = true;
+        }
+    }
+
+    /// The peer's request ended.
+    pub fn unpin_remote(&self, peer: usize, request: u64) {
+        let mut pins = self.pins();
+        if let Some(i) = pins.iter().position(|p| p.remote == Some((peer, request))) {
+            pins.swap_remove(i);
+        }
+    }
+
+    /// Every request of peer `peer` (it stalled, restarted or left).
+    pub fn unpin_peer(&self, peer: usize) {
+        self.pins()
+            .retain(|p| p.remote.is_none_or(|(q, _)| q != peer));
     }
 
     /// What the XDP counters show now: `live` connections in all (this
@@ -612,6 +670,7 @@ impl InFlight {
             blocks: self.prompt_blocks,
             running: false,
             computing,
+            remote: None,
         });
         self.pin = Some((stamp, false));
     }
@@ -637,7 +696,7 @@ impl InFlight {
                 .load
                 .pins()
                 .iter_mut()
-                .find(|p| p.stamp == *stamp)
+                .find(|p| p.stamp == *stamp && p.remote.is_none())
             {
                 p.running = true;
             }
@@ -650,7 +709,10 @@ impl Drop for InFlight {
         self.end_queued_prefill();
         if let Some((stamp, _)) = self.pin.take() {
             let mut pins = self.backend.load.pins();
-            if let Some(i) = pins.iter().position(|p| p.stamp == stamp) {
+            if let Some(i) = pins
+                .iter()
+                .position(|p| p.stamp == stamp && p.remote.is_none())
+            {
                 pins.swap_remove(i);
             }
         }
@@ -683,6 +745,47 @@ impl Drop for ConnCount {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peer_s_request_pins_like_one_of_this_router_s_own() {
+        let b = backend();
+        let l = &b.load;
+        let none = |_: u64, _: u32| 0;
+        // Sent by peer 3, not running yet: an age from its stamp is unknown.
+        l.pin_remote(3, 7, 100, 40, Some((10, 0xabc)));
+        assert_eq!(l.pinned_before(100, 5, none), None);
+        // Another request's prompt computing those blocks holds this one.
+        l.remote.set(3, 1, 30);
+        assert!(l.computing_within(
+            &[0; 10].iter().chain(&[0xabc]).copied().collect::<Vec<_>>(),
+            11
+        ));
+        // Running: its prompt and answer count after its stamp.
+        l.remote_prefilled(3, 7);
+        assert_eq!(l.pinned_before(200, 5, none), Some(45));
+        assert_eq!(l.pinned_before(50, 5, none), Some(5));
+        // Ended, or its peer gone: nothing.
+        l.unpin_remote(3, 7);
+        assert_eq!(l.pinned_before(200, 5, none), Some(0));
+        l.pin_remote(3, 8, 300, 10, None);
+        l.remote_prefilled(3, 8);
+        l.unpin_peer(3);
+        assert_eq!(l.pinned_before(400, 5, none), Some(0));
+    }
+
+    #[test]
+    fn the_peers_work_sums_exactly_as_each_peer_reports_it() {
+        let r = Remote::default();
+        r.set(0, 3, 100);
+        r.bump(1, 50);
+        r.bump(1, 20);
+        assert_eq!((r.in_flight(), r.queued_prefill_blocks()), (5, 170));
+        r.set(1, 0, 0);
+        r.set(0, 1, 10);
+        assert_eq!((r.in_flight(), r.queued_prefill_blocks()), (1, 10));
+        r.set(99, 5, 5); // no such cell: ignored
+        assert_eq!(r.in_flight(), 1);
+    }
 
     fn backend() -> Arc<Backend> {
         Arc::new(Backend::new(

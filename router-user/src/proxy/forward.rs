@@ -22,6 +22,7 @@ use crate::policy::select::Decision;
 use crate::proxy::client::{Body, ClientConn, Request};
 use crate::proxy::io::{Read, read_more, write_all, write_head_and_body, write_range};
 use crate::proxy::pool::{BackendConn, Pool};
+use crate::replica::Replica;
 
 /// Bodies up to this size are copied behind the head and sent in one
 /// `send`; a larger one is not copied: head and body go in one `writev`
@@ -53,6 +54,45 @@ pub struct Attempt<'a> {
     pub decision: Decision,
     /// Only a fresh connection (a pooled one just failed).
     pub fresh_only: bool,
+}
+
+/// A request in flight on a backend, as this replica counts it and, with
+/// `[replicas]`, as its peers are told: its first body byte, and its end
+/// however the attempt ends (the guard drops).
+pub struct Sending<'a> {
+    pub inflight: InFlight,
+    /// The replica, the backend's id and the request's id its peers know.
+    pub shared: Option<(&'a Replica, u64, u64)>,
+    told_prefilled: bool,
+}
+
+impl<'a> Sending<'a> {
+    pub fn new(inflight: InFlight, shared: Option<(&'a Replica, u64, u64)>) -> Sending<'a> {
+        Sending {
+            inflight,
+            shared,
+            told_prefilled: false,
+        }
+    }
+
+    /// The first byte of the response body arrived: the prompt is prefilled.
+    pub fn prefilled(&mut self) {
+        self.inflight.prefilled();
+        if let Some((r, backend, request)) = self.shared
+            && !self.told_prefilled
+        {
+            self.told_prefilled = true;
+            r.outbox.prefilled(backend, request);
+        }
+    }
+}
+
+impl Drop for Sending<'_> {
+    fn drop(&mut self) {
+        if let Some((r, backend, request)) = self.shared {
+            r.outbox.done(backend, request);
+        }
+    }
 }
 
 /// Why an attempt did not complete.
@@ -135,7 +175,7 @@ pub async fn forward(
     c: &mut ClientConn,
     req: Request<'_>,
     at: &Attempt<'_>,
-    inflight: &mut InFlight,
+    inflight: &mut Sending<'_>,
 ) -> Result<Answered, Failure> {
     let (head, body, backend) = (req.head, req.body, at.backend);
     // The delivery rule: a request goes again (to this backend on a fresh

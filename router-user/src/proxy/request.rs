@@ -273,7 +273,7 @@ async fn attempt(
     // waits: else the whole burst would wait here, then land at once.
     wait_for_prefill(worker, cfg, c, at).await;
     let sent_at = Instant::now();
-    if let Some(stamp) = router.learn(backend, &mut c.blocks, uncached) {
+    if let Some(stamp) = router.learn(backend, &mut c.blocks, at.matched_blocks, uncached) {
         // What the engine computes for it starts where the prediction ends.
         let computing = c
             .blocks
@@ -283,8 +283,14 @@ async fn attempt(
         inflight.pin(stamp, computing);
     }
     inflight.hold_slot(c.blocks.slot);
-    let sent = forward::forward(&worker.pool, cfg, c, req, at, &mut inflight).await;
-    drop(inflight);
+    let shared = router
+        .replica
+        .as_deref()
+        .zip(c.blocks.shared_as)
+        .map(|(r, id)| (r, backend.id_hash, id));
+    let mut sending = forward::Sending::new(inflight, shared);
+    let sent = forward::forward(&worker.pool, cfg, c, req, at, &mut sending).await;
+    drop(sending);
     let answer = match sent {
         Ok(a) => a,
         Err(f) => {

@@ -47,6 +47,15 @@ pub struct Outbox {
     bytes: AtomicUsize,
     publisher: OnceLock<Thread>,
     dropped: AtomicU64,
+    /// The next request id.
+    requests: AtomicU64,
+}
+
+/// A prompt as shared: its block hashes and precise mode's engine keys.
+#[derive(Clone, Copy, Debug)]
+pub struct Prompt<'a> {
+    pub hashes: &'a [u64],
+    pub keys: &'a [u64],
 }
 
 impl std::fmt::Debug for Outbox {
@@ -70,19 +79,43 @@ impl Outbox {
             bytes: AtomicUsize::new(0),
             publisher: OnceLock::new(),
             dropped: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
         }
     }
 
-    /// `backend` (its URL's hash) was sent a prompt of these blocks, to
-    /// prefill `prefill` of them; precise mode's engine keys when known.
-    pub fn sent(&self, backend: u64, prefill: u32, hashes: &[u64], keys: &[u64]) {
-        let hashes = &hashes[..hashes.len().min(MAX_SHARED_BLOCKS)];
-        let keys = &keys[..keys.len().min(MAX_SHARED_BLOCKS)];
-        let mut p = Payload::new(Kind::Sent, 20 + 8 * (hashes.len() + keys.len()));
+    /// A new id for a request this replica sends (its `Sent`, `Prefilled`
+    /// and `Done` name it).
+    pub fn request_id(&self) -> u64 {
+        self.requests.fetch_add(1, Relaxed)
+    }
+
+    /// `backend` (its URL's hash) was sent request `request`, a prompt of
+    /// these blocks predicted to hold `matched` of them and to prefill
+    /// `prefill`; precise mode's engine keys when known.
+    pub fn sent(&self, backend: u64, request: u64, matched: u32, prefill: u32, prompt: Prompt) {
+        let hashes = &prompt.hashes[..prompt.hashes.len().min(MAX_SHARED_BLOCKS)];
+        let keys = &prompt.keys[..prompt.keys.len().min(MAX_SHARED_BLOCKS)];
+        let mut p = Payload::new(Kind::Sent, 32 + 8 * (hashes.len() + keys.len()));
         p.u64(backend)
+            .u64(request)
+            .u32(matched)
             .u32(prefill)
             .words(hashes.iter().copied())
             .words(keys.iter().copied());
+        self.push(p);
+    }
+
+    /// Request `request` to `backend` got its first body byte.
+    pub fn prefilled(&self, backend: u64, request: u64) {
+        let mut p = Payload::new(Kind::Prefilled, 16);
+        p.u64(backend).u64(request);
+        self.push(p);
+    }
+
+    /// Request `request` to `backend` ended.
+    pub fn done(&self, backend: u64, request: u64) {
+        let mut p = Payload::new(Kind::Done, 16);
+        p.u64(backend).u64(request);
         self.push(p);
     }
 
@@ -142,7 +175,16 @@ mod tests {
         let big = vec![7u64; MAX_SHARED_BLOCKS];
         // Each message is about 128 KiB: the byte bound comes first.
         for _ in 0..200 {
-            o.sent(1, 0, &big, &[]);
+            o.sent(
+                1,
+                0,
+                0,
+                0,
+                Prompt {
+                    hashes: &big,
+                    keys: &[],
+                },
+            );
         }
         assert!(o.dropped() > 0);
         let mut n = 0;

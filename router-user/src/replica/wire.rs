@@ -9,8 +9,11 @@
 //! `mac` the first 16 bytes of the keyed BLAKE3 hash of everything before
 //! it under the shared key. Bodies:
 //!
-//! - `Sent`: backend (its URL's hash), prefill blocks, the prompt's block
-//!   hashes (count, then each), precise mode's engine keys (count, each);
+//! - `Sent`: backend (its URL's hash), the request's id, the blocks it was
+//!   predicted to hold and to prefill, the prompt's block hashes (count,
+//!   then each), precise mode's engine keys (count, each);
+//! - `Prefilled`, `Done`: backend, request id: its first body byte came
+//!   back; it ended (however);
 //! - `Flushed`: backend, the prompt it holds now (count, hashes);
 //! - `Load`: count, then (backend, requests in flight, queued prefill
 //!   blocks, answer blocks written since the last load message) for each
@@ -48,6 +51,8 @@ pub enum Kind {
     SnapshotRequest = 4,
     SnapshotBlocks = 5,
     SnapshotEnd = 6,
+    Prefilled = 7,
+    Done = 8,
 }
 
 impl Kind {
@@ -59,6 +64,8 @@ impl Kind {
             4 => Kind::SnapshotRequest,
             5 => Kind::SnapshotBlocks,
             6 => Kind::SnapshotEnd,
+            7 => Kind::Prefilled,
+            8 => Kind::Done,
             _ => return None,
         })
     }
@@ -190,9 +197,19 @@ impl<'a> Words<'a> {
 pub enum Body<'a> {
     Sent {
         backend: u64,
+        request: u64,
+        matched: u32,
         prefill: u32,
         hashes: Words<'a>,
         keys: Words<'a>,
+    },
+    Prefilled {
+        backend: u64,
+        request: u64,
+    },
+    Done {
+        backend: u64,
+        request: u64,
     },
     Flushed {
         backend: u64,
@@ -262,6 +279,8 @@ pub fn open<'a>(frame: &'a [u8], key: &Key) -> Result<Message<'a>, WireError> {
     let body = match kind {
         Kind::Sent => Body::Sent {
             backend: r.u64()?,
+            request: r.u64()?,
+            matched: r.u32()?,
             prefill: r.u32()?,
             hashes: r.words(MAX_SHARED_BLOCKS)?,
             keys: r.words(MAX_SHARED_BLOCKS)?,
@@ -295,6 +314,14 @@ pub fn open<'a>(frame: &'a [u8], key: &Key) -> Result<Message<'a>, WireError> {
             }
         }
         Kind::SnapshotEnd => Body::SnapshotEnd { backends: r.u32()? },
+        Kind::Prefilled => Body::Prefilled {
+            backend: r.u64()?,
+            request: r.u64()?,
+        },
+        Kind::Done => Body::Done {
+            backend: r.u64()?,
+            request: r.u64()?,
+        },
     };
     if !r.0.is_empty() {
         return Err(WireError::Malformed);
@@ -352,6 +379,8 @@ mod tests {
     fn a_sealed_message_opens_as_written() {
         let mut p = Payload::new(Kind::Sent, 64);
         p.u64(7)
+            .u64(11)
+            .u32(2)
             .u32(3)
             .words([1u64, 2, 3].into_iter())
             .words([9u64].into_iter());
@@ -361,11 +390,13 @@ mod tests {
         match m.body {
             Body::Sent {
                 backend,
+                request,
+                matched,
                 prefill,
                 hashes,
                 keys,
             } => {
-                assert_eq!((backend, prefill), (7, 3));
+                assert_eq!((backend, request, matched, prefill), (7, 11, 2, 3));
                 assert_eq!(hashes.iter().collect::<Vec<_>>(), [1, 2, 3]);
                 assert_eq!(keys.iter().collect::<Vec<_>>(), [9]);
             }

@@ -245,6 +245,8 @@ impl Stream {
         match body {
             Body::Sent {
                 backend,
+                request,
+                matched,
                 prefill,
                 hashes,
                 keys,
@@ -254,13 +256,31 @@ impl Stream {
                 };
                 hashes.to_vec_into(&mut self.hashes);
                 keys.to_vec_into(&mut self.keys);
-                self.router
+                let stamp = self
+                    .router
                     .learn_remote(&b, &self.hashes, &self.keys, &mut self.ages);
                 if let Some(peer) = self.peer {
                     b.load.remote.bump(peer, prefill);
+                    // Pinned as this replica's own requests are: its blocks
+                    // are not in the engine's cache until it runs.
+                    if let Some(stamp) = stamp {
+                        let computing = self.hashes.get(matched as usize).map(|&h| (matched, h));
+                        let n = self.hashes.len() as u32;
+                        b.load.pin_remote(peer, request, stamp, n, computing);
+                    }
                     if !self.loaded.iter().any(|l| Arc::ptr_eq(l, &b)) {
                         self.loaded.push(b);
                     }
+                }
+            }
+            Body::Prefilled { backend, request } => {
+                if let (Some(b), Some(peer)) = (self.by_id.get(&backend), self.peer) {
+                    b.load.remote_prefilled(peer, request);
+                }
+            }
+            Body::Done { backend, request } => {
+                if let (Some(b), Some(peer)) = (self.by_id.get(&backend), self.peer) {
+                    b.load.unpin_remote(peer, request);
                 }
             }
             Body::Flushed { backend, hashes } => {
@@ -322,6 +342,9 @@ impl Stream {
         if let Some(peer) = self.peer {
             for b in self.loaded.drain(..) {
                 b.load.remote.set(peer, 0, 0);
+            }
+            for b in self.router.fleet.load().backends.iter() {
+                b.load.unpin_peer(peer);
             }
         }
     }
