@@ -154,7 +154,7 @@ pub fn run(bins: &Bins, cfg: &DemoCfg, venv: Option<&Venv>, out: &Path) -> anyho
                 }
             })
         };
-        let r = quality::run_one(bins, &row, *front, &cfg.timing, 1);
+        let r = quality::run_one(bins, &row, *front, &cfg.timing, 1, None);
         done.store(true, Ordering::Relaxed);
         let _ = ticker.join();
         let r = r?;

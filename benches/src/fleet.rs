@@ -244,6 +244,9 @@ pub struct Router {
     pub addr: SocketAddr,
     pub admin: SocketAddr,
     pub child: Child,
+    /// The command it was started with, to start it again as it was.
+    bin: PathBuf,
+    args: Vec<String>,
 }
 
 impl Router {
@@ -293,17 +296,62 @@ impl Router {
         let admin_port = testkit::proc::free_port();
         let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
         let admin: SocketAddr = format!("127.0.0.1:{admin_port}").parse()?;
-        let mut cmd = Command::new(bin);
-        cmd.args(["--listen", &addr.to_string()])
-            .args(["--admin-listen", &admin.to_string()])
-            .args(["--policy", policy])
-            .args(["--log-level", "warn"])
-            .args(args);
+        let mut all: Vec<String> = [
+            "--listen",
+            &addr.to_string(),
+            "--admin-listen",
+            &admin.to_string(),
+            "--policy",
+            policy,
+            "--log-level",
+            "warn",
+        ]
+        .map(String::from)
+        .to_vec();
+        all.extend_from_slice(args);
         for u in urls {
-            cmd.args(["--backend", u]);
+            all.extend(["--backend".to_string(), u.clone()]);
         }
+        let mut cmd = Command::new(bin);
+        cmd.args(&all);
         let child = Child::spawn(cmd, "prefix-router")?;
-        Ok(Router { addr, admin, child })
+        Ok(Router {
+            addr,
+            admin,
+            child,
+            bin: bin.to_path_buf(),
+            args: all,
+        })
+    }
+
+    /// Kills the process at once (SIGKILL: no drain, no goodbye to its
+    /// peers) and starts it again with the same command, on the same
+    /// ports and config. Returns without waiting for it. Call it from a
+    /// thread that outlives the new process: a child dies with the thread
+    /// that started it (`PR_SET_PDEATHSIG`).
+    pub fn kill_and_restart(&mut self) -> anyhow::Result<()> {
+        signal(self.child.pid(), libc::SIGKILL);
+        // Gone (and reaped) before the new one binds its ports.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.child.spawned.is_running() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(&self.args);
+        // The old child is reaped as it is replaced.
+        self.child = Child::spawn(cmd, "prefix-router")?;
+        Ok(())
+    }
+
+    /// Whether its admin `/ready` answers 200 now.
+    pub fn is_ready(&self) -> bool {
+        testkit::http::request(self.admin, "GET", "/ready", &[], b"").is_ok_and(|r| r.status == 200)
+    }
+
+    /// `GET /admin/replicas`: its own stream and each peer's, as JSON.
+    pub fn replicas(&self) -> anyhow::Result<serde_json::Value> {
+        let r = testkit::http::request(self.admin, "GET", "/admin/replicas", &[], b"")?;
+        Ok(serde_json::from_slice(&r.body)?)
     }
 
     /// Waits until the router listens and its admin `/health` answers.

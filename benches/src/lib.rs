@@ -21,7 +21,10 @@
 //! - [`peers`]: sglang-router, vllm-router and smg in their own virtualenv,
 //!   run inside a network namespace with only loopback;
 //! - [`replicas`]: several router processes in front of one fleet, each
-//!   request to one at random: the ports and `[replicas]` section of each;
+//!   request to one at random: the ports and `[replicas]` section of each,
+//!   a replica killed and restarted mid-run, each one's stream's bytes;
+//! - [`bandwidth`]: sharing replicas' streams at 1,000 requests/s on
+//!   zero-cost engines;
 //! - [`micro`]: criterion's figures read back from its output folder;
 //! - [`report`], [`quality_report`], [`charts`]: Markdown, JSON, SVG, and
 //!   the comparison with a previous run.
@@ -31,6 +34,7 @@
 //! traffic goes to 127.0.0.1; the peer routers only ever run inside a
 //! network namespace that has nothing but loopback.
 
+pub mod bandwidth;
 pub mod body;
 pub mod charts;
 pub mod cpu;

@@ -154,7 +154,7 @@ pub const PRECISE_SUFFIX: &str = "@precise";
 
 /// A prefix-router front's name, read: `POLICY[@baseline|@precise][@alone][+FILE.toml]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct PolicyFront<'a> {
+pub(crate) struct PolicyFront<'a> {
     policy: &'a str,
     /// On the build in `overhead::BASELINE_ENV`.
     baseline: bool,
@@ -166,7 +166,7 @@ struct PolicyFront<'a> {
     config: Option<&'a str>,
 }
 
-fn parse_policy(front: &str) -> PolicyFront<'_> {
+pub(crate) fn parse_policy(front: &str) -> PolicyFront<'_> {
     let (name, config) = front
         .split_once(CONFIG_SEPARATOR)
         .map_or((front, None), |(n, c)| (n, Some(c)));
@@ -191,7 +191,7 @@ fn parse_policy(front: &str) -> PolicyFront<'_> {
 }
 
 /// A config file the bench wrote for one router process; removed on drop.
-struct ConfigFile(std::path::PathBuf);
+pub(crate) struct ConfigFile(std::path::PathBuf);
 
 impl ConfigFile {
     fn write(text: &str) -> anyhow::Result<ConfigFile> {
@@ -320,6 +320,10 @@ pub struct PolicyRun {
     pub routing: RoutingTime,
     /// Inference requests each engine completed during the workload.
     pub per_engine: Vec<u64>,
+    /// The replica killed and started again mid-run (`--restart-replica`).
+    pub restart: Option<crate::replicas::RestartFigures>,
+    /// What each sharing replica's stream published during the workload.
+    pub bandwidth: Vec<crate::replicas::ReplicaTraffic>,
 }
 
 impl PolicyRun {
@@ -354,7 +358,7 @@ fn engine_requests(e: &Engine) -> u64 {
 
 /// The served model of an engine (`GET /v1/models`), asked of the engine
 /// itself: not every peer router answers `/v1/models`.
-fn engine_model(e: &Engine) -> anyhow::Result<String> {
+pub(crate) fn engine_model(e: &Engine) -> anyhow::Result<String> {
     let r = testkit::http::request(e.addr, "GET", "/v1/models", &[], b"")?;
     let v: serde_json::Value = serde_json::from_slice(&r.body)?;
     Ok(v["data"][0]["id"]
@@ -385,7 +389,7 @@ const REPLICA_START_TRIES: usize = 3;
 /// Starts `n` prefix-router processes as `f` says in front of the engines
 /// at `urls`: with `[replicas]` sections naming each other when `n > 1`
 /// and `f` is not alone. Returns them with the config files they read.
-fn start_ours(
+pub(crate) fn start_ours(
     bins: &Bins,
     f: &PolicyFront<'_>,
     urls: &[String],
@@ -523,13 +527,16 @@ fn run_together(mut cfgs: Vec<RunConfig>) -> anyhow::Result<(Vec<Record>, Summar
 /// Starts `qs.drive.engines` engines and `replicas` processes of `front`
 /// in front of them, runs the row's workload for its duration (streaming,
 /// TTFT = first content event; each request to one replica at random),
-/// stops everything.
+/// stops everything. With `restart_at_s`, sharing prefix-router replicas
+/// have their last one killed that far into the run and started again
+/// ([`crate::replicas::kill_and_restart_at`]).
 pub fn run_one(
     bins: &Bins,
     qs: &QualityScenario,
     front: Front<'_>,
     timing: &Timing,
     replicas: usize,
+    restart_at_s: Option<f64>,
 ) -> anyhow::Result<PolicyRun> {
     anyhow::ensure!(!fleet::interrupted(), "interrupted");
     anyhow::ensure!(replicas >= 1, "at least one replica");
@@ -564,6 +571,20 @@ pub fn run_one(
         (Front::Policy(p), None) => anyhow::bail!("front {p} not parsed"),
     };
     let before: Vec<u64> = engines.iter().map(engine_requests).collect();
+    // Sharing replicas: their streams' counters as the traffic starts.
+    let share = replicas > 1 && parsed.is_some_and(|f| !f.alone);
+    let ours = |r: &Running| match r {
+        Running::Ours(r) => Some(crate::replicas::StreamCounters::read(r)),
+        Running::Peer(_) => None,
+    };
+    let counters: Vec<Option<crate::replicas::StreamCounters>> = if share {
+        routers.iter().filter_map(ours).collect()
+    } else {
+        Vec::new()
+    };
+    let restart_at = restart_at_s.filter(|_| share);
+    let gate = std::sync::Arc::new(testkit::workload::ReplicaGate::new(replicas));
+    let epoch = std::time::Instant::now();
     let drive = |part: &QualityScenario, seed: u64| {
         let mut cfg = RunConfig::new(routers[0].url(), part.scaled(timing.time_scale));
         cfg.replicas = routers[1..].iter().map(Running::url).collect();
@@ -574,6 +595,10 @@ pub fn run_one(
         cfg.seed = seed;
         cfg.model = Some(model.clone());
         cfg.request_timeout = Duration::from_secs(60);
+        cfg.epoch = Some(epoch);
+        if restart_at.is_some() {
+            cfg.gate = Some(gate.clone());
+        }
         cfg
     };
     let mut cfgs = vec![drive(qs, qs.drive.seed)];
@@ -581,8 +606,77 @@ pub fn run_one(
         // Another seed: the second workload's choices are its own.
         cfgs.push(drive(side, qs.drive.seed ^ 0xba7c4));
     }
-    let (records, mut summary) = run_together(cfgs)?;
+    let mut routers = routers;
+    let victim = replicas - 1;
+    let done = std::sync::atomic::AtomicBool::new(false);
+    // The traffic runs on a thread of its own; the replica is killed and
+    // started again from this one, which outlives it: a child dies with
+    // the thread that started it (`PR_SET_PDEATHSIG`).
+    let (ran, restarted) = std::thread::scope(|s| {
+        let done = &done;
+        let traffic = s.spawn(move || {
+            let ran = run_together(cfgs);
+            done.store(true, std::sync::atomic::Ordering::Relaxed);
+            ran
+        });
+        let restarted = match (restart_at, routers.get_mut(victim)) {
+            (Some(at), Some(Running::Ours(r))) => crate::replicas::kill_and_restart_at(
+                r,
+                &gate,
+                victim,
+                epoch,
+                Duration::from_secs_f64(at.max(0.0)),
+                done,
+            ),
+            _ => Ok(None),
+        };
+        let ran = traffic
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the workload thread panicked")));
+        (ran, restarted)
+    });
+    let (records, mut summary) = ran?;
+    let restarted = restarted?;
     summary.scenario = qs.name.clone();
+    let restart = restarted.map(|t| {
+        let f = crate::replicas::RestartFigures::of(&records, t, victim, replicas, gate.rerouted());
+        eprintln!(
+            "  {}: replica {} of {replicas} killed at {:.1} s, ready {:.3} s later; next {:.1} s: its hit rate {} ({} requests) vs the others' {} ({} requests)",
+            qs.name,
+            victim + 1,
+            f.killed_at_s,
+            f.ready_after_s,
+            f.window_s,
+            crate::report::pct(f.restarted.hit_rate),
+            f.restarted.requests,
+            crate::report::pct(f.others.hit_rate),
+            f.others.requests,
+        );
+        f
+    });
+    let bandwidth: Vec<crate::replicas::ReplicaTraffic> = if share {
+        routers
+            .iter()
+            .filter_map(ours)
+            .zip(&counters)
+            .enumerate()
+            .filter_map(|(i, (end, start))| {
+                let again = restarted.filter(|_| i == victim);
+                let from_ms = again.map_or(0.0, |t| (t.killed_at_s + t.ready_after_s) * 1e3);
+                let served = records
+                    .iter()
+                    .filter(|r| r.ok() && r.replica == Some(i as u32) && r.start_ms >= from_ms)
+                    .count() as u64;
+                let seconds = summary.duration_s - again.map_or(0.0, |t| t.killed_at_s);
+                let c = end?.since(if again.is_some() { None } else { *start });
+                let mut t = crate::replicas::ReplicaTraffic::new(i, replicas, c, seconds, served);
+                t.restarted = again.is_some();
+                Some(t)
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
     if let Some(dir) = std::env::var_os(RECORDS_ENV) {
         let name = match replicas {
             1 => front.name(),
@@ -619,6 +713,8 @@ pub fn run_one(
         records,
         routing,
         per_engine,
+        restart,
+        bandwidth,
     })
 }
 
@@ -673,6 +769,12 @@ pub struct QualityRow {
     /// Busiest engine's requests over the mean, as the engines counted them.
     pub load_max_mean: f64,
     pub routing: RoutingTime,
+    /// Each run's replica killed and started again (`--restart-replica`).
+    #[serde(default)]
+    pub restarts: Vec<crate::replicas::RestartFigures>,
+    /// What each sharing replica's stream published, run by run.
+    #[serde(default)]
+    pub bandwidth: Vec<crate::replicas::ReplicaTraffic>,
 }
 
 impl QualityRow {
@@ -701,6 +803,17 @@ impl QualityRow {
         r.load_max_mean = m(|x| x.load_max_mean);
         r.routing.mean_us = m(|x| x.routing.mean_us);
         r.routing.p99_le_us = m(|x| x.routing.p99_le_us);
+        r.restarts = runs.iter().flat_map(|x| x.restarts.clone()).collect();
+        r.bandwidth = runs
+            .iter()
+            .enumerate()
+            .flat_map(|(k, x)| {
+                x.bandwidth.iter().cloned().map(move |mut b| {
+                    b.run = k;
+                    b
+                })
+            })
+            .collect();
         r
     }
 
@@ -734,6 +847,8 @@ impl QualityRow {
             rps: s.throughput_rps,
             load_max_mean: run.load_max_mean(),
             routing: run.routing,
+            restarts: run.restart.iter().cloned().collect(),
+            bandwidth: run.bandwidth.clone(),
         }
     }
 }
@@ -754,6 +869,10 @@ pub struct QualityCfg {
     /// of the fleet, each request to one at random (`--replicas`).
     #[serde(default = "one_replica_count")]
     pub replicas: Vec<usize>,
+    /// Seconds into each run of prefix-router's sharing replicas at which
+    /// one of them is killed and started again (`--restart-replica`).
+    #[serde(default)]
+    pub restart_at_s: Option<f64>,
     pub timing: Timing,
 }
 
@@ -770,6 +889,7 @@ impl QualityCfg {
             peers: Vec::new(),
             repeats: 1,
             replicas: one_replica_count(),
+            restart_at_s: None,
             timing: Timing::default(),
         }
     }
@@ -945,7 +1065,7 @@ pub fn run(
                     front.name(),
                     round + 1
                 ));
-                let run = run_one(bins, qs, front, &cfg.timing, n)?;
+                let run = run_one(bins, qs, front, &cfg.timing, n, cfg.restart_at_s)?;
                 runs[k].push(QualityRow::of(&run, qs));
             }
         }
@@ -1088,6 +1208,8 @@ mod tests {
             records: Vec::new(),
             routing: RoutingTime::default(),
             per_engine: vec![5, 5],
+            restart: None,
+            bandwidth: Vec::new(),
         };
         let rows: Vec<QualityRow> = [(0.7, 900.0), (0.5, 300.0), (0.6, 100.0)]
             .iter()
@@ -1167,6 +1289,8 @@ mod tests {
                     records: Vec::new(),
                     routing: RoutingTime::default(),
                     per_engine: vec![1],
+                    restart: None,
+                    bandwidth: Vec::new(),
                 },
                 &qs,
             );

@@ -147,9 +147,15 @@ impl BenchResults {
                 continue;
             };
             let kept = r.kept.unwrap_or(0.0);
+            // A run with a replica killed in it says so in its targets.
+            let restarted = if r.restarts.is_empty() {
+                ""
+            } else {
+                " (one restarted mid-run)"
+            };
             c.push(Check {
                 target: format!(
-                    "{}: {} replicas keep >= 0.97x one router's hit rate",
+                    "{}: {} replicas{restarted} keep >= 0.97x one router's hit rate",
                     r.scenario, r.replicas
                 ),
                 measured: format!("{} vs {}", pct(r.hit_rate), pct(one.hit_rate)),
@@ -163,7 +169,7 @@ impl BenchResults {
             );
             c.push(Check {
                 target: format!(
-                    "{}: {} replicas' TTFT p50 and p99 <= 1.1x one router's",
+                    "{}: {} replicas'{restarted} TTFT p50 and p99 <= 1.1x one router's",
                     r.scenario, r.replicas
                 ),
                 measured: format!(
@@ -174,7 +180,114 @@ impl BenchResults {
                 margin: format!("{p50:.2}x / {p99:.2}x"),
             });
         }
+        for r in rows {
+            for f in &r.restarts {
+                let behind = f.points_behind();
+                c.push(Check {
+                    target: format!(
+                        "{}: 1 of {} replicas restarted: its hit rate in the {:.0} s after /ready within 1 point of the others'",
+                        r.scenario,
+                        f.replicas,
+                        crate::replicas::RESTART_WINDOW_S
+                    ),
+                    measured: format!(
+                        "{} ({} requests) vs {} ({} requests); ready {:.2} s after the kill",
+                        pct(f.restarted.hit_rate),
+                        f.restarted.requests,
+                        pct(f.others.hit_rate),
+                        f.others.requests,
+                        f.ready_after_s
+                    ),
+                    met: f.restarted.requests > 0 && behind <= 1.0,
+                    margin: format!("{:+.1} points", -behind),
+                });
+            }
+        }
     }
+}
+
+/// The replica killed and started again in each run that had one.
+pub fn restarts_table(rows: &[QualityRow]) -> Table {
+    let mut t = Table::new(&[
+        "scenario",
+        "replicas",
+        "killed at s",
+        "ready after s",
+        "window s",
+        "restarted: hit rate (requests)",
+        "others: hit rate (requests)",
+        "points behind",
+        "restarted, before the kill",
+        "sent elsewhere",
+        "failed",
+    ]);
+    for r in rows {
+        for f in &r.restarts {
+            let hits = |h: &crate::replicas::Hits| format!("{} ({})", pct(h.hit_rate), h.requests);
+            t.row(vec![
+                r.scenario.clone(),
+                f.replicas.to_string(),
+                format!("{:.1}", f.killed_at_s),
+                format!("{:.3}", f.ready_after_s),
+                format!("{:.1}", f.window_s),
+                hits(&f.restarted),
+                hits(&f.others),
+                format!("{:+.1}", f.points_behind()),
+                hits(&f.before),
+                f.rerouted.to_string(),
+                f.failed.to_string(),
+            ]);
+        }
+    }
+    t
+}
+
+/// Each sharing replica's stream over each run: its rate and its bytes
+/// per request.
+pub fn bandwidth_table(rows: &[QualityRow]) -> Table {
+    let mut t = Table::new(&[
+        "scenario",
+        "router",
+        "replicas",
+        "replica",
+        "s",
+        "requests",
+        "messages/s",
+        "bytes/s",
+        "bytes/request",
+        "bytes/s at 1,000 req/s",
+        "outbox drops",
+        "gaps",
+    ]);
+    for r in rows {
+        for b in &r.bandwidth {
+            let run = if r.runs > 1 {
+                format!(" (run {})", b.run + 1)
+            } else {
+                String::new()
+            };
+            let again = if b.restarted {
+                " (since its restart)"
+            } else {
+                ""
+            };
+            t.row(vec![
+                r.scenario.clone(),
+                r.policy.clone(),
+                b.replicas.to_string(),
+                format!("{}{again}{run}", b.replica + 1),
+                format!("{:.1}", b.seconds),
+                b.requests.to_string(),
+                format!("{:.0}", b.messages_per_s()),
+                format!("{:.0}", b.bytes_per_s()),
+                format!("{:.0}", b.bytes_per_request()),
+                format!("{:.0}", b.bytes_per_s_at_1000_rps()),
+                b.outbox_dropped.to_string(),
+                b.peer_gaps.to_string(),
+            ]);
+        }
+    }
+    t
 }
 
 /// The rows of each scenario, one line each; then, when peers ran, the
@@ -272,6 +385,24 @@ pub fn quality_markdown(q: &crate::quality::QualityCfg, rows: &[QualityRow]) -> 
             m,
             "Each router ran as 1 to N processes in front of the same engines; every request went to one of them at random (seeded, drawn per request: a conversation's turns land on different replicas, as behind an L4 balancer or a Kubernetes Service). Each cell: hit rate · TTFT p50 / p99 ms · kept = hit rate over the same router's with one replica. prefix-router's replicas share what they learn (`[replicas]`); `{}` runs them without sharing, each knowing only what it sent, and is kept against the sharing front's single replica.\n",
             crate::replicas::ALONE_SUFFIX
+        );
+    }
+    if rows.iter().any(|r| !r.restarts.is_empty()) {
+        let _ = writeln!(m, "### A replica killed and restarted\n");
+        let _ = writeln!(m, "{}\n", restarts_table(rows).markdown());
+        let _ = writeln!(
+            m,
+            "In each run of prefix-router's sharing replicas, the last replica was killed (SIGKILL) {} s into the run and started again at once on the same ports and config; it caught up from a peer's snapshot before its admin `/ready` answered 200. The load generator's balancer acts as a Kubernetes Service with a readiness probe: it takes the replica out the moment it is killed, sends the requests drawn for it to the next replica meanwhile (sent elsewhere), and puts it back the moment `/ready` answers 200 and its listener accepts. Requests in flight on it when it was killed fail (failed). Its hit rate is over the requests it served that started in the {:.0} s after it was ready; the others' over theirs in the same window (cut short by the run's end: window s); before the kill, its own over the same length of time before it. Points behind = the others' hit rate less its own.\n",
+            q.restart_at_s.unwrap_or_default(),
+            crate::replicas::RESTART_WINDOW_S
+        );
+    }
+    if rows.iter().any(|r| !r.bandwidth.is_empty()) {
+        let _ = writeln!(m, "### Replica stream bandwidth\n");
+        let _ = writeln!(m, "{}\n", bandwidth_table(rows).markdown());
+        let _ = writeln!(
+            m,
+            "What each sharing replica published on its stream from the traffic's start to its end (`published_bytes` and `published_messages` of its `/admin/replicas`, read before it was stopped; a restarted replica from its restart): its decisions, the engines it found flushed, and its load every 10 ms while it changes (at least every 100 ms). Bytes are counted once per frame; each of its N-1 peers receives a copy. Bytes/request = its bytes over the requests it served; bytes/s at 1,000 req/s = bytes/request x 1,000 / N, the fleet serving 1,000 requests/s spread evenly (the load messages scale with it here, so this overstates; `prefix-bench replicas-bandwidth` measures it directly). Gaps = messages it missed of its peers' streams.\n"
         );
     }
     let single: Vec<QualityRow> = rows.iter().filter(|r| r.replicas == 1).cloned().collect();

@@ -4,9 +4,16 @@
 //! `RunConfig::replicas`). What a quality run needs to start them:
 //! each prefix-router replica's pair of loopback ports and its `[replicas]`
 //! section (the replicas share what they learn), and the front names that
-//! run them without sharing.
+//! run them without sharing. Also what a run measures of them: one replica
+//! killed and started again mid-run (its time to `/ready` and its hits
+//! right after), and the bytes each replica's stream published.
 
+use crate::fleet::Router;
+use serde::{Deserialize, Serialize};
 use std::net::{SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+use testkit::workload::{Record, ReplicaGate};
 
 /// The key the bench's replicas authenticate their messages with (the
 /// router asks for 16 bytes at least).
@@ -71,6 +78,283 @@ pub fn section(me: SocketAddr, all: &[SocketAddr]) -> String {
     )
 }
 
+/// How long after a restarted replica is ready its requests are judged
+/// against the other replicas' (the target: within 1 point of theirs).
+pub const RESTART_WINDOW_S: f64 = 5.0;
+/// Longest a restarted replica may take to answer 200 on `/ready`.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// How often `/ready` is asked while a restarted replica catches up.
+const READY_POLL: Duration = Duration::from_millis(5);
+
+/// Cached over prompt tokens of some successful requests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Hits {
+    pub requests: u64,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub hit_rate: f64,
+}
+
+impl Hits {
+    /// The successful ones of `records`.
+    pub fn of<'a>(records: impl IntoIterator<Item = &'a Record>) -> Hits {
+        let mut h = Hits::default();
+        for r in records.into_iter().filter(|r| r.ok()) {
+            h.requests += 1;
+            h.prompt_tokens += r.prompt_tokens;
+            h.cached_tokens += r.cached_tokens;
+        }
+        if h.prompt_tokens > 0 {
+            h.hit_rate = h.cached_tokens as f64 / h.prompt_tokens as f64;
+        }
+        h
+    }
+}
+
+/// When a replica was killed and when it was ready again.
+#[derive(Clone, Copy, Debug)]
+pub struct RestartTimes {
+    /// Since the run's start.
+    pub killed_at_s: f64,
+    /// From the kill (the new process started at once) to `/ready` 200.
+    pub ready_after_s: f64,
+}
+
+/// At `at` after `epoch`, unless `done` is set first: takes replica
+/// `index` out of `gate` (the balancer sends its share to the others),
+/// kills it with SIGKILL, starts it again at once on the same ports and
+/// config, and puts it back in `gate` once its admin `/ready` answers 200
+/// and its listener accepts (a readiness probe with no period). `None`
+/// when the run ended before `at`.
+pub fn kill_and_restart_at(
+    router: &mut Router,
+    gate: &ReplicaGate,
+    index: usize,
+    epoch: Instant,
+    at: Duration,
+    done: &AtomicBool,
+) -> anyhow::Result<Option<RestartTimes>> {
+    let when = epoch + at;
+    while Instant::now() < when {
+        if done.load(Ordering::Relaxed) || crate::fleet::interrupted() {
+            return Ok(None);
+        }
+        std::thread::sleep(
+            when.saturating_duration_since(Instant::now())
+                .min(READY_POLL * 4),
+        );
+    }
+    gate.set_up(index, false);
+    let killed = Instant::now();
+    router.kill_and_restart()?;
+    loop {
+        if router.is_ready()
+            && std::net::TcpStream::connect_timeout(&router.addr, Duration::from_millis(100))
+                .is_ok()
+        {
+            break;
+        }
+        anyhow::ensure!(
+            killed.elapsed() < READY_TIMEOUT && !crate::fleet::interrupted(),
+            "the restarted replica was not ready within {READY_TIMEOUT:?}:\n{}",
+            router.child.stderr_tail()
+        );
+        std::thread::sleep(READY_POLL);
+    }
+    let ready = Instant::now();
+    gate.set_up(index, true);
+    Ok(Some(RestartTimes {
+        killed_at_s: killed.saturating_duration_since(epoch).as_secs_f64(),
+        ready_after_s: ready.saturating_duration_since(killed).as_secs_f64(),
+    }))
+}
+
+/// One replica killed and started again in a run, and how its requests
+/// hit right after it was ready.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct RestartFigures {
+    /// Which replica (0-based) of how many.
+    pub replica: usize,
+    pub replicas: usize,
+    pub killed_at_s: f64,
+    /// From the kill to `/ready` answering 200.
+    pub ready_after_s: f64,
+    /// Requests it served that started in the [`RESTART_WINDOW_S`] after it
+    /// was ready (cut short by the run's end).
+    pub restarted: Hits,
+    /// The other replicas' requests that started in the same window.
+    pub others: Hits,
+    /// Its own requests in the same length of time before the kill.
+    pub before: Hits,
+    /// The window's length in s.
+    pub window_s: f64,
+    /// Requests drawn for it while it was out, sent to another replica.
+    pub rerouted: u64,
+    /// Its requests that failed (in flight when it was killed).
+    pub failed: u64,
+}
+
+impl RestartFigures {
+    /// The restart of replica `index` of `replicas` at `t`, judged on the
+    /// run's `records` (times since the run's start).
+    pub fn of(
+        records: &[Record],
+        t: RestartTimes,
+        index: usize,
+        replicas: usize,
+        rerouted: u64,
+    ) -> RestartFigures {
+        let ms = |s: f64| s * 1e3;
+        let ready = t.killed_at_s + t.ready_after_s;
+        let (from, to) = (ms(ready), ms(ready + RESTART_WINDOW_S));
+        let end = records.iter().map(|r| r.start_ms).fold(0.0, f64::max);
+        let mine = |r: &&Record| r.replica == Some(index as u32);
+        let within = |a: f64, b: f64| move |r: &&Record| r.start_ms >= a && r.start_ms < b;
+        RestartFigures {
+            replica: index,
+            replicas,
+            killed_at_s: t.killed_at_s,
+            ready_after_s: t.ready_after_s,
+            restarted: Hits::of(records.iter().filter(mine).filter(within(from, to))),
+            others: Hits::of(records.iter().filter(|r| !mine(r)).filter(within(from, to))),
+            before: Hits::of(records.iter().filter(mine).filter(within(
+                ms(t.killed_at_s - RESTART_WINDOW_S),
+                ms(t.killed_at_s),
+            ))),
+            window_s: (to.min(end) - from).max(0.0) / 1e3,
+            rerouted,
+            failed: records.iter().filter(mine).filter(|r| !r.ok()).count() as u64,
+        }
+    }
+
+    /// The restarted replica's hit rate less the others', in points.
+    pub fn points_behind(&self) -> f64 {
+        (self.others.hit_rate - self.restarted.hit_rate) * 100.0
+    }
+}
+
+/// A replica's own stream counters from its `/admin/replicas`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StreamCounters {
+    pub messages: u64,
+    pub bytes: u64,
+    pub outbox_dropped: u64,
+    /// Messages it missed of its peers' streams, all peers together.
+    pub peer_gaps: u64,
+}
+
+impl StreamCounters {
+    /// From `/admin/replicas` (`None` without a `[replicas]` section).
+    pub fn parse(v: &serde_json::Value) -> Option<StreamCounters> {
+        let n = |k: &str| v.get(k).and_then(serde_json::Value::as_u64);
+        let gaps = v
+            .get("peers")
+            .and_then(serde_json::Value::as_object)
+            .map_or(0, |p| {
+                p.values()
+                    .filter_map(|x| x.get("gaps")?.as_u64())
+                    .sum::<u64>()
+            });
+        Some(StreamCounters {
+            messages: n("published_messages")?,
+            bytes: n("published_bytes")?,
+            outbox_dropped: n("outbox_dropped").unwrap_or(0),
+            peer_gaps: gaps,
+        })
+    }
+
+    /// Of `router` now (`None`, said, when it cannot be read).
+    pub fn read(router: &Router) -> Option<StreamCounters> {
+        match router.replicas() {
+            Ok(v) => Self::parse(&v),
+            Err(e) => {
+                eprintln!("  /admin/replicas of {}: {e:#}", router.admin);
+                None
+            }
+        }
+    }
+
+    /// What was counted since `before` (all of it when the counters
+    /// started again: the process restarted).
+    pub fn since(self, before: Option<StreamCounters>) -> StreamCounters {
+        match before {
+            Some(b) if b.messages <= self.messages && b.bytes <= self.bytes => StreamCounters {
+                messages: self.messages - b.messages,
+                bytes: self.bytes - b.bytes,
+                outbox_dropped: self.outbox_dropped.saturating_sub(b.outbox_dropped),
+                peer_gaps: self.peer_gaps.saturating_sub(b.peer_gaps),
+            },
+            _ => self,
+        }
+    }
+}
+
+/// What one replica's stream published over a run.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ReplicaTraffic {
+    /// Which run of the row (0-based, `--repeats`).
+    #[serde(default)]
+    pub run: usize,
+    /// Which replica (0-based) of how many.
+    pub replica: usize,
+    pub replicas: usize,
+    /// Counted from its restart rather than from the traffic's start.
+    #[serde(default)]
+    pub restarted: bool,
+    pub seconds: f64,
+    /// Requests it served in that time (its own decisions).
+    pub requests: u64,
+    pub messages: u64,
+    /// Bytes of its frames, each counted once (every peer receives a copy).
+    pub bytes: u64,
+    pub outbox_dropped: u64,
+    pub peer_gaps: u64,
+}
+
+impl ReplicaTraffic {
+    pub fn new(
+        replica: usize,
+        replicas: usize,
+        c: StreamCounters,
+        seconds: f64,
+        requests: u64,
+    ) -> Self {
+        ReplicaTraffic {
+            run: 0,
+            replica,
+            replicas,
+            restarted: false,
+            seconds,
+            requests,
+            messages: c.messages,
+            bytes: c.bytes,
+            outbox_dropped: c.outbox_dropped,
+            peer_gaps: c.peer_gaps,
+        }
+    }
+
+    pub fn bytes_per_s(&self) -> f64 {
+        self.bytes as f64 / self.seconds.max(1e-9)
+    }
+
+    pub fn messages_per_s(&self) -> f64 {
+        self.messages as f64 / self.seconds.max(1e-9)
+    }
+
+    /// Its bytes (load messages included) over the requests it served.
+    pub fn bytes_per_request(&self) -> f64 {
+        self.bytes as f64 / self.requests.max(1) as f64
+    }
+
+    /// Its bytes per second were the whole fleet serving 1,000 requests/s
+    /// spread evenly over its replicas: bytes per request x 1,000 / N. The
+    /// load messages, a larger part of the bytes at this run's lower
+    /// rate, are scaled too, so this overstates it.
+    pub fn bytes_per_s_at_1000_rps(&self) -> f64 {
+        self.bytes_per_request() * 1_000.0 / self.replicas.max(1) as f64
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -106,6 +390,84 @@ mod tests {
             .collect();
         assert_eq!(peers, ["127.0.0.1:7100", "127.0.0.1:7102"]);
         assert!(r["key"].as_str().unwrap().len() >= 16);
+    }
+
+    fn record(replica: u32, start_ms: f64, prompt: u64, cached: u64) -> Record {
+        Record {
+            seq: 0,
+            scenario: "t".into(),
+            user: 0,
+            session: 0,
+            turn: 1,
+            prefix_id: 0,
+            start_ms,
+            ttft_ms: Some(1.0),
+            end_ms: start_ms + 10.0,
+            latency_ms: 10.0,
+            status: 200,
+            error: None,
+            prompt_tokens: prompt,
+            cached_tokens: cached,
+            completion_tokens: 1,
+            local_prompt_tokens: prompt,
+            ceiling_cached_tokens: cached,
+            instance: None,
+            replica: Some(replica),
+        }
+    }
+
+    #[test]
+    fn a_restart_is_judged_on_the_window_after_it_is_ready() {
+        let mut failed = record(1, 9_900.0, 100, 0);
+        failed.status = 0;
+        let records = vec![
+            record(1, 6_000.0, 100, 90),  // before the kill
+            failed,                       // in flight at the kill
+            record(1, 10_600.0, 100, 50), // its window
+            record(0, 10_700.0, 100, 80), // the others' window
+            record(1, 14_000.0, 100, 70),
+            record(0, 15_600.0, 100, 60), // past the window
+            record(0, 16_000.0, 100, 0),
+        ];
+        let t = RestartTimes {
+            killed_at_s: 10.0,
+            ready_after_s: 0.5,
+        };
+        let f = RestartFigures::of(&records, t, 1, 2, 3);
+        assert_eq!((f.restarted.requests, f.restarted.hit_rate), (2, 0.6));
+        assert_eq!((f.others.requests, f.others.hit_rate), (1, 0.8));
+        assert_eq!((f.before.requests, f.before.hit_rate), (1, 0.9));
+        assert!((f.points_behind() - 20.0).abs() < 1e-9);
+        assert_eq!((f.failed, f.rerouted), (1, 3));
+        assert_eq!(f.window_s, 5.0);
+    }
+
+    #[test]
+    fn stream_counters_are_read_from_admin_replicas_and_subtracted() {
+        let v = serde_json::json!({
+            "published_messages": 10, "published_bytes": 1000, "outbox_dropped": 0,
+            "peers": {"a": {"gaps": 2}, "b": {"gaps": 1}},
+        });
+        let end = StreamCounters::parse(&v).unwrap();
+        assert_eq!(end.peer_gaps, 3);
+        let start = StreamCounters {
+            messages: 4,
+            bytes: 400,
+            outbox_dropped: 0,
+            peer_gaps: 1,
+        };
+        let d = end.since(Some(start));
+        assert_eq!((d.messages, d.bytes, d.peer_gaps), (6, 600, 2));
+        // Counters that went back: the process restarted, all of it counts.
+        let big = StreamCounters {
+            bytes: 5_000,
+            ..start
+        };
+        assert_eq!(end.since(Some(big)), end);
+        assert_eq!(StreamCounters::parse(&serde_json::Value::Null), None);
+        let t = ReplicaTraffic::new(0, 2, d, 2.0, 3);
+        assert_eq!((t.bytes_per_s(), t.bytes_per_request()), (300.0, 200.0));
+        assert_eq!(t.bytes_per_s_at_1000_rps(), 100_000.0);
     }
 
     #[test]

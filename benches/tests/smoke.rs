@@ -202,3 +202,93 @@ fn tiny_replicas_run_reports_each_replica_count() {
     }
     let _ = std::fs::remove_dir_all(&out);
 }
+
+#[test]
+fn tiny_restart_measures_the_restarted_replica_and_each_stream() {
+    let out = tmp("restart");
+    prefix_bench(&[
+        "--out",
+        out.to_str().unwrap(),
+        "quality",
+        "--scenario",
+        "templated-batch",
+        "--replicas",
+        "2",
+        "--policies",
+        "prefix",
+        "--duration",
+        "3",
+        "--restart-replica",
+        "1",
+        "--peers",
+        "off",
+    ]);
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    let row = &r["quality_rows"][0];
+    let restart = &row["restarts"][0];
+    let ready = restart["ready_after_s"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{row}"));
+    assert!(ready > 0.0 && ready < 30.0, "{restart}");
+    assert!(restart["killed_at_s"].as_f64().unwrap() >= 1.0, "{restart}");
+    assert!(
+        restart["others"]["requests"].as_u64().unwrap() > 0,
+        "{restart}"
+    );
+    // Both replicas' streams, the restarted one's from its restart.
+    let bw = row["bandwidth"].as_array().unwrap();
+    assert_eq!(bw.len(), 2, "{row}");
+    for b in bw {
+        assert!(b["bytes"].as_u64().unwrap() > 0, "{b}");
+        assert!(b["messages"].as_u64().unwrap() > 0, "{b}");
+    }
+    assert_eq!(bw[1]["restarted"].as_bool(), Some(true), "{row}");
+    let checks = r["checks"].as_array().unwrap();
+    assert!(
+        checks
+            .iter()
+            .any(|c| c["target"].as_str().unwrap().contains("restarted")),
+        "{checks:?}"
+    );
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    for line in [
+        "### A replica killed and restarted",
+        "### Replica stream bandwidth",
+        "| templated-batch | 2 | ",
+        "| templated-batch | prefix | 2 | 1 | ",
+    ] {
+        assert!(md.contains(line), "no {line:?} in:\n{md}");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+#[test]
+fn tiny_replicas_bandwidth_reports_each_replica_s_stream() {
+    let out = tmp("bandwidth");
+    let o = prefix_bench(&[
+        "--out",
+        out.to_str().unwrap(),
+        "replicas-bandwidth",
+        "--rate",
+        "50",
+        "--duration",
+        "2",
+    ]);
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(stdout.contains("Achieved: **"), "{stdout}");
+    assert!(
+        stdout.contains("| replica | requests/s served |"),
+        "{stdout}"
+    );
+    let r: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    assert!(r["requests"].as_u64().unwrap() > 0, "{r}");
+    let replicas = r["replicas"].as_array().unwrap();
+    assert_eq!(replicas.len(), 2, "{r}");
+    for b in replicas {
+        assert!(b["bytes"].as_u64().unwrap() > 0, "{b}");
+        assert!(b["requests"].as_u64().unwrap() > 0, "{b}");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -47,6 +47,34 @@ enum Cmd {
     /// Routing quality on real llama.cpp servers built by `cargo xtask
     /// setup` (real prefill on this CPU): every policy on every seed.
     Llama(LlamaArgs),
+    /// The replicas' stream at a production rate: sharing prefix-router
+    /// replicas in front of zero-cost engines, an open loop of chat
+    /// requests, each replica's published bytes and messages per second.
+    ReplicasBandwidth(BandwidthArgs),
+}
+
+#[derive(clap::Args)]
+struct BandwidthArgs {
+    /// Sharing replicas, each request to one at random.
+    #[arg(long, default_value_t = 2)]
+    replicas: usize,
+    /// Zero-cost engines (`--time-scale 0`).
+    #[arg(long, default_value_t = 2)]
+    engines: usize,
+    /// Requests per second offered (open loop, Poisson arrivals).
+    #[arg(long, default_value_t = 1000.0)]
+    rate: f64,
+    /// Seconds of traffic.
+    #[arg(long, default_value_t = 10.0)]
+    duration: f64,
+    /// Tokens of each shared system prompt.
+    #[arg(long, default_value_t = 1500)]
+    system_tokens: usize,
+    /// Tokens of each request's own user message.
+    #[arg(long, default_value_t = 500)]
+    user_tokens: usize,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
 }
 
 #[derive(clap::Args)]
@@ -121,6 +149,14 @@ struct QualityArgs {
     /// medians (the hot prompt's p99 target is judged on a median of three).
     #[arg(long, default_value_t = 1)]
     repeats: usize,
+    /// Seconds into each run of prefix-router's sharing replicas (2 or
+    /// more, not @alone) at which the last replica is killed (SIGKILL) and
+    /// started again at once on the same ports and config. The balancer
+    /// sends its share to the next replica until its `/ready` answers 200,
+    /// as a Kubernetes readiness probe would; the report compares its hit
+    /// rate over the 5 s after that with the other replicas'.
+    #[arg(long, value_name = "AT_S")]
+    restart_replica: Option<f64>,
     /// The command line to quote in the report.
     #[arg(long)]
     command: Option<String>,
@@ -247,7 +283,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Demo(a) => a.peers,
         Cmd::Bench(a) => a.peers.peers,
         Cmd::Quality(a) => a.peers.peers,
-        Cmd::Llama(_) => PeersMode::Off,
+        Cmd::Llama(_) | Cmd::ReplicasBandwidth(_) => PeersMode::Off,
     };
     let venv = peers::prepare(mode, &venv_dir)?;
     if venv.is_some()
@@ -300,6 +336,35 @@ fn main() -> anyhow::Result<()> {
             println!("report: {}", report.display());
             Ok(())
         }
+        Cmd::ReplicasBandwidth(a) => {
+            let out = cli
+                .out
+                .unwrap_or_else(|| fleet::results_dir(&cli.results_root, "replicas-bandwidth"));
+            std::fs::create_dir_all(&out).with_context(|| format!("create {}", out.display()))?;
+            anyhow::ensure!(
+                (2..=MAX_REPLICAS).contains(&a.replicas),
+                "--replicas: from 2 to {MAX_REPLICAS}"
+            );
+            let cfg = router_benches::bandwidth::BandwidthCfg {
+                replicas: a.replicas,
+                engines: a.engines,
+                rate: a.rate,
+                duration_s: a.duration,
+                system_tokens: a.system_tokens,
+                user_tokens: a.user_tokens,
+                seed: a.seed,
+                ..Default::default()
+            };
+            let args: Vec<String> = std::env::args().skip(1).collect();
+            let command = format!("prefix-bench {}", args.join(" "));
+            let r = router_benches::bandwidth::run(&bins, &cfg, command)?;
+            std::fs::write(out.join("results.json"), serde_json::to_string_pretty(&r)?)?;
+            let md = router_benches::bandwidth::markdown(&r);
+            std::fs::write(out.join("report.md"), &md)?;
+            println!("{md}");
+            println!("report: {}", out.join("report.md").display());
+            Ok(())
+        }
     }
 }
 
@@ -336,6 +401,13 @@ fn quality_only(
         ]);
     }
     qcfg.replicas = a.replicas.clone();
+    if let Some(at) = a.restart_replica {
+        anyhow::ensure!(
+            at >= 0.0 && several,
+            "--restart-replica AT_S: a time of 0 or more, with --replicas 2 or more"
+        );
+        qcfg.restart_at_s = Some(at);
+    }
     for s in &mut qcfg.scenarios {
         if let Some(d) = a.duration {
             s.drive.duration_s = d;

@@ -177,7 +177,13 @@ impl Client {
     ) -> Outcome {
         let start = Instant::now();
         for attempt in 0..2 {
-            let pooled = self.pool.lock().expect("pool").pop();
+            // The retry goes on a fresh connection: the pool may hold more
+            // that the server closed (a server restarted closed them all).
+            let pooled = if attempt == 0 {
+                self.pool.lock().expect("pool").pop()
+            } else {
+                None
+            };
             let reused = pooled.is_some();
             let mut conn = match pooled {
                 Some(c) => c,

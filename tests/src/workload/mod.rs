@@ -26,5 +26,5 @@ pub mod scenario;
 pub mod synth;
 
 pub use record::{Percentiles, Record, Summary};
-pub use runner::{RunConfig, run, run_blocking};
+pub use runner::{ReplicaGate, RunConfig, run, run_blocking};
 pub use scenario::{Scenario, ScenarioKind};

@@ -46,6 +46,66 @@ pub struct RunConfig {
     pub request_timeout: Duration,
     /// Write records here as JSONL.
     pub out: Option<PathBuf>,
+    /// Time zero of the records' `start_ms` and `end_ms` and of
+    /// `duration` [default: when the run starts]. Workloads run together
+    /// share one, and so does whoever acts on the fleet during the run.
+    pub epoch: Option<Instant>,
+    /// Which replicas take traffic now (a balancer's readiness view); a
+    /// request drawn for one that does not goes to the next one that does.
+    pub gate: Option<Arc<ReplicaGate>>,
+}
+
+/// Which of a run's targets (`target`, then `replicas`) take traffic, as
+/// a Kubernetes Service's endpoints follow readiness: one taken out gets
+/// no new request until it is put back. Shared by the run and whoever
+/// stops and starts the replicas.
+#[derive(Debug)]
+pub struct ReplicaGate {
+    up: Vec<std::sync::atomic::AtomicBool>,
+    rerouted: AtomicU64,
+}
+
+impl ReplicaGate {
+    /// `n` targets, all taking traffic.
+    pub fn new(n: usize) -> Self {
+        Self {
+            up: (0..n)
+                .map(|_| std::sync::atomic::AtomicBool::new(true))
+                .collect(),
+            rerouted: AtomicU64::new(0),
+        }
+    }
+
+    /// Takes target `i` out (`false`) or puts it back (`true`).
+    pub fn set_up(&self, i: usize, up: bool) {
+        if let Some(u) = self.up.get(i) {
+            u.store(up, Ordering::SeqCst);
+        }
+    }
+
+    /// Requests drawn for a target that was out, sent to another.
+    pub fn rerouted(&self) -> u64 {
+        self.rerouted.load(Ordering::Relaxed)
+    }
+
+    /// Target `i`, or the next one taking traffic when it is out (`i`
+    /// itself when none is).
+    fn route(&self, i: usize) -> usize {
+        let n = self.up.len();
+        if n == 0 || self.up.get(i).is_none_or(|u| u.load(Ordering::SeqCst)) {
+            return i;
+        }
+        match (1..n)
+            .map(|k| (i + k) % n)
+            .find(|&j| self.up[j].load(Ordering::SeqCst))
+        {
+            Some(j) => {
+                self.rerouted.fetch_add(1, Ordering::Relaxed);
+                j
+            }
+            None => i,
+        }
+    }
 }
 
 impl RunConfig {
@@ -64,6 +124,8 @@ impl RunConfig {
             stream: true,
             request_timeout: Duration::from_secs(300),
             out: None,
+            epoch: None,
+            gate: None,
         }
     }
 }
@@ -129,7 +191,11 @@ impl Ctx {
         if n <= 1 {
             return 0;
         }
-        (mix(self.cfg.seed ^ 0x5bead, session, u64::from(turn)) % n) as usize
+        let drawn = (mix(self.cfg.seed ^ 0x5bead, session, u64::from(turn)) % n) as usize;
+        match &self.cfg.gate {
+            Some(g) => g.route(drawn),
+            None => drawn,
+        }
     }
 
     fn ms(&self, t: Instant) -> f64 {
@@ -241,7 +307,7 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<(Vec<Record>, Summary)> {
                 .to_string()
         }
     };
-    let t0 = Instant::now();
+    let t0 = cfg.epoch.unwrap_or_else(Instant::now);
     let ctx = Arc::new(Ctx {
         corpus: Corpus::new(&cfg.scenario, cfg.seed),
         model_json: serde_json::to_string(&model)?,
@@ -300,7 +366,7 @@ pub async fn run(cfg: RunConfig) -> anyhow::Result<(Vec<Record>, Summary)> {
     while let Some(r) = tasks.join_next().await {
         r.context("workload task panicked")?;
     }
-    let duration_s = t0.elapsed().as_secs_f64();
+    let duration_s = Instant::now().saturating_duration_since(t0).as_secs_f64();
     let mut records = std::mem::take(&mut *ctx.records.lock().expect("records"));
     records.sort_by_key(|r| r.seq);
     if let Some(path) = &ctx.cfg.out {
@@ -325,4 +391,24 @@ pub fn run_blocking(cfg: RunConfig) -> anyhow::Result<(Vec<Record>, Summary)> {
         .enable_all()
         .build()?
         .block_on(run(cfg))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ReplicaGate;
+
+    #[test]
+    fn a_replica_taken_out_sends_its_share_to_the_next_one_in() {
+        let g = ReplicaGate::new(3);
+        assert_eq!((g.route(0), g.route(2)), (0, 2));
+        g.set_up(2, false);
+        assert_eq!(g.route(2), 0, "wraps around");
+        g.set_up(0, false);
+        assert_eq!((g.route(2), g.route(0)), (1, 1));
+        assert_eq!(g.rerouted(), 3);
+        g.set_up(1, false);
+        assert_eq!(g.route(1), 1, "none in: where it was drawn");
+        g.set_up(2, true);
+        assert_eq!(g.route(2), 2);
+    }
 }
