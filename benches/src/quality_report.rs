@@ -217,7 +217,7 @@ pub fn restarts_table(rows: &[QualityRow]) -> Table {
         "restarted: hit rate (requests)",
         "others: hit rate (requests)",
         "points behind",
-        "restarted, before the kill",
+        "before the kill: it · others · points behind",
         "sent elsewhere",
         "failed",
     ]);
@@ -233,7 +233,12 @@ pub fn restarts_table(rows: &[QualityRow]) -> Table {
                 hits(&f.restarted),
                 hits(&f.others),
                 format!("{:+.1}", f.points_behind()),
-                hits(&f.before),
+                format!(
+                    "{} · {} · {:+.1}",
+                    hits(&f.before),
+                    hits(&f.others_before),
+                    f.points_behind_before()
+                ),
                 f.rerouted.to_string(),
                 f.failed.to_string(),
             ]);
@@ -392,7 +397,7 @@ pub fn quality_markdown(q: &crate::quality::QualityCfg, rows: &[QualityRow]) -> 
         let _ = writeln!(m, "{}\n", restarts_table(rows).markdown());
         let _ = writeln!(
             m,
-            "In each run of prefix-router's sharing replicas, the last replica was killed (SIGKILL) {} s into the run and started again at once on the same ports and config; it caught up from a peer's snapshot before its admin `/ready` answered 200. The load generator's balancer acts as a Kubernetes Service with a readiness probe: it takes the replica out the moment it is killed, sends the requests drawn for it to the next replica meanwhile (sent elsewhere), and puts it back the moment `/ready` answers 200 and its listener accepts. Requests in flight on it when it was killed fail (failed). Its hit rate is over the requests it served that started in the {:.0} s after it was ready; the others' over theirs in the same window (cut short by the run's end: window s); before the kill, its own over the same length of time before it. Points behind = the others' hit rate less its own.\n",
+            "In each run of prefix-router's sharing replicas, the last replica was killed (SIGKILL) {} s into the run and started again at once on the same ports and config; it caught up from a peer's snapshot before its admin `/ready` answered 200. The load generator's balancer acts as a Kubernetes Service with a readiness probe: it takes the replica out the moment it is killed, sends the requests drawn for it to the next replica meanwhile (sent elsewhere), and puts it back the moment `/ready` answers 200 and its listener accepts. Requests in flight on it when it was killed fail (failed). Its hit rate is over the requests it served that started in the {:.0} s after it was ready; the others' over theirs in the same window (cut short by the run's end: window s); before the kill, its own and the others' over the same length of time before it (how far apart the two are over so short a window anyway). Points behind = the others' hit rate less its own.\n",
             q.restart_at_s.unwrap_or_default(),
             crate::replicas::RESTART_WINDOW_S
         );
@@ -402,7 +407,7 @@ pub fn quality_markdown(q: &crate::quality::QualityCfg, rows: &[QualityRow]) -> 
         let _ = writeln!(m, "{}\n", bandwidth_table(rows).markdown());
         let _ = writeln!(
             m,
-            "What each sharing replica published on its stream from the traffic's start to its end (`published_bytes` and `published_messages` of its `/admin/replicas`, read before it was stopped; a restarted replica from its restart): its decisions, the engines it found flushed, and its load every 10 ms while it changes (at least every 100 ms). Bytes are counted once per frame; each of its N-1 peers receives a copy. Bytes/request = its bytes over the requests it served; bytes/s at 1,000 req/s = bytes/request x 1,000 / N, the fleet serving 1,000 requests/s spread evenly (the load messages scale with it here, so this overstates; `prefix-bench replicas-bandwidth` measures it directly). Gaps = messages it missed of its peers' streams.\n"
+            "What each sharing replica published on its stream from the traffic's start to its end (`published_bytes` and `published_messages` of its `/admin/replicas`, read before it was stopped; a restarted replica from its restart): its decisions, each request's first byte and end, the engines it found flushed, and its load every 10 ms while it changes (at least every 100 ms). Bytes are counted once per frame; each of its N-1 peers receives a copy. Bytes/request = its bytes over the requests it served; bytes/s at 1,000 req/s = bytes/request x 1,000 / N, the fleet serving 1,000 requests/s spread evenly (the load messages scale with it here, so this overstates; `prefix-bench replicas-bandwidth` measures it directly). Gaps = messages it missed of its peers' streams.\n"
         );
     }
     let single: Vec<QualityRow> = rows.iter().filter(|r| r.replicas == 1).cloned().collect();

@@ -186,6 +186,10 @@ pub struct RestartFigures {
     pub others: Hits,
     /// Its own requests in the same length of time before the kill.
     pub before: Hits,
+    /// The other replicas' in that time before the kill: how far apart two
+    /// sets of replicas' hit rates are over a window this short anyway.
+    #[serde(default)]
+    pub others_before: Hits,
     /// The window's length in s.
     pub window_s: f64,
     /// Requests drawn for it while it was out, sent to another replica.
@@ -210,6 +214,7 @@ impl RestartFigures {
         let end = records.iter().map(|r| r.start_ms).fold(0.0, f64::max);
         let mine = |r: &&Record| r.replica == Some(index as u32);
         let within = |a: f64, b: f64| move |r: &&Record| r.start_ms >= a && r.start_ms < b;
+        let before = within(ms(t.killed_at_s - RESTART_WINDOW_S), ms(t.killed_at_s));
         RestartFigures {
             replica: index,
             replicas,
@@ -217,19 +222,22 @@ impl RestartFigures {
             ready_after_s: t.ready_after_s,
             restarted: Hits::of(records.iter().filter(mine).filter(within(from, to))),
             others: Hits::of(records.iter().filter(|r| !mine(r)).filter(within(from, to))),
-            before: Hits::of(records.iter().filter(mine).filter(within(
-                ms(t.killed_at_s - RESTART_WINDOW_S),
-                ms(t.killed_at_s),
-            ))),
+            before: Hits::of(records.iter().filter(mine).filter(before)),
+            others_before: Hits::of(records.iter().filter(|r| !mine(r)).filter(before)),
             window_s: (to.min(end) - from).max(0.0) / 1e3,
             rerouted,
             failed: records.iter().filter(mine).filter(|r| !r.ok()).count() as u64,
         }
     }
 
-    /// The restarted replica's hit rate less the others', in points.
+    /// The others' hit rate less the restarted replica's, in points.
     pub fn points_behind(&self) -> f64 {
         (self.others.hit_rate - self.restarted.hit_rate) * 100.0
+    }
+
+    /// The same for the window before the kill.
+    pub fn points_behind_before(&self) -> f64 {
+        (self.others_before.hit_rate - self.before.hit_rate) * 100.0
     }
 }
 
@@ -437,6 +445,7 @@ mod tests {
         assert_eq!((f.restarted.requests, f.restarted.hit_rate), (2, 0.6));
         assert_eq!((f.others.requests, f.others.hit_rate), (1, 0.8));
         assert_eq!((f.before.requests, f.before.hit_rate), (1, 0.9));
+        assert_eq!(f.others_before.requests, 0);
         assert!((f.points_behind() - 20.0).abs() < 1e-9);
         assert_eq!((f.failed, f.rerouted), (1, 3));
         assert_eq!(f.window_s, 5.0);
