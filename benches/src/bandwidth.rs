@@ -6,7 +6,8 @@
 
 use crate::fleet::{self, Bins, Engine};
 use crate::replicas::{ReplicaTraffic, StreamCounters};
-use crate::report::{Machine, Table};
+use crate::report::Machine;
+use crate::table::Table;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -170,7 +171,7 @@ pub fn markdown(r: &BandwidthResults) -> String {
         r.errors,
         r.seconds,
         r.prompt_tokens_mean,
-        crate::report::pct(r.hit_rate)
+        crate::table::pct(r.hit_rate)
     );
     let _ = writeln!(m, "{}", table(&r.replicas).markdown());
     let _ = writeln!(

@@ -9,7 +9,7 @@ use crate::charts;
 use crate::fleet::Bins;
 use crate::peers::{Peer, Venv};
 use crate::quality::{self, Drive, Front, PolicyRun, QualityScenario, Timing};
-use crate::report::{Table, pct};
+use crate::table::{Table, pct};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;

@@ -53,3 +53,4 @@ pub mod quality_report;
 pub mod replicas;
 pub mod report;
 pub mod scenarios;
+pub mod table;

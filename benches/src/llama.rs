@@ -12,7 +12,7 @@
 
 use crate::charts;
 use crate::fleet::{self, Bins, Child, Router};
-use crate::report::{Table, pct};
+use crate::table::{Table, pct};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::fmt::Write as _;

@@ -2,7 +2,7 @@
 //! against nginx in front of the same engines, in the same run.
 
 use crate::overhead::{OverheadResults, Row};
-use crate::report::Check;
+use crate::table::Check;
 
 /// CPU per tiny request at 64 connections, at most this share of nginx's.
 const TINY_CPU: f64 = 0.75;

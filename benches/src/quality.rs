@@ -647,9 +647,9 @@ pub fn run_one(
             f.killed_at_s,
             f.ready_after_s,
             f.window_s,
-            crate::report::pct(f.restarted.hit_rate),
+            crate::table::pct(f.restarted.hit_rate),
             f.restarted.requests,
-            crate::report::pct(f.others.hit_rate),
+            crate::table::pct(f.others.hit_rate),
             f.others.requests,
         );
         f

@@ -3,187 +3,181 @@
 //! replica counts side by side, and the targets they are checked against.
 
 use crate::quality::QualityRow;
-use crate::report::{BenchResults, Check, Table, pct};
+use crate::table::{Check, Table, pct};
 use std::fmt::Write as _;
 
 /// How the peer routers ran: said beside every table that has them.
 pub const PEERS_NOTE: &str = "Peer routers: sglang-router 0.3.2, vllm-router 0.1.17 and smg 1.13.0 from PyPI, each with its `cache_aware` policy and defaults otherwise (smg with `--worker-warmup-secs 0` and `--disable-tokenizer-autoload`), on the same engines and the same traffic (same seed), the whole run inside a network namespace with only loopback. The engines answer vLLM's `/tokenize` and render endpoints, so vllm-router routes on the real token ids. TTFT is the first streamed content event; the client acknowledges at once (TCP_QUICKACK), which keeps sglang-router's Nagle/delayed-ACK stall (+40 ms on a reused connection) out of the figures.";
 
-impl BenchResults {
-    /// The placement targets, on the rows that ran with one replica: against
-    /// the best peer under memory pressure, and against round-robin on the
-    /// hot prompt.
-    pub(crate) fn check_placement_targets(&self, c: &mut Vec<Check>) {
-        let single: Vec<&QualityRow> = self
-            .quality_rows
+/// The placement targets, on the rows that ran with one replica: against
+/// the best peer under memory pressure, and against round-robin on the
+/// hot prompt.
+pub(crate) fn check_placement_targets(rows: &[QualityRow], c: &mut Vec<Check>) {
+    let single: Vec<&QualityRow> = rows.iter().filter(|r| r.replicas == 1).collect();
+    let row = |sc: &str, p: &str| {
+        single
             .iter()
-            .filter(|r| r.replicas == 1)
-            .collect();
-        let row = |sc: &str, p: &str| {
-            single
-                .iter()
-                .copied()
-                .find(|r| r.scenario == sc && r.policy == p)
+            .copied()
+            .find(|r| r.scenario == sc && r.policy == p)
+    };
+    for sc in ["pressure-unpublished", "pressure-published", "think-48"] {
+        let Some(ours) = row(sc, "prefix") else {
+            continue;
         };
-        for sc in ["pressure-unpublished", "pressure-published", "think-48"] {
-            let Some(ours) = row(sc, "prefix") else {
-                continue;
-            };
-            let peers: Vec<&QualityRow> = single
-                .iter()
-                .copied()
-                .filter(|r| r.scenario == sc && r.peer)
-                .collect();
-            let Some(best) = peers
-                .iter()
-                .max_by(|a, b| a.hit_rate.total_cmp(&b.hit_rate))
-            else {
-                continue;
-            };
-            let d = (ours.hit_rate - best.hit_rate) * 100.0;
-            // What the target asks beside what one pooled cache hits on the
-            // same traffic: a target above the pool is beyond placement.
-            let pool = match ours.pooled {
-                Some(p) => format!(
-                    " (target {}; one pooled cache of the fleet's blocks: {})",
-                    pct(best.hit_rate + 0.02),
-                    pct(p)
-                ),
-                None => String::new(),
-            };
-            c.push(Check {
-                target: format!("{sc}: hit rate >= best peer's + 2 points"),
-                measured: format!(
-                    "{} vs {} {}{pool}",
-                    pct(ours.hit_rate),
-                    best.policy,
-                    pct(best.hit_rate)
-                ),
-                met: d >= 2.0,
-                margin: format!("{d:+.1} points"),
-            });
-            let p50 = peers
-                .iter()
-                .map(|r| r.ttft_p50_ms)
-                .fold(f64::INFINITY, f64::min);
-            let p99 = peers
-                .iter()
-                .map(|r| r.ttft_p99_ms)
-                .fold(f64::INFINITY, f64::min);
-            c.push(Check {
-                target: format!("{sc}: TTFT p50 and p99 <= the best peer's"),
-                measured: format!(
-                    "p50 {:.1} ms (best peer {p50:.1}), p99 {:.1} ms (best peer {p99:.1})",
-                    ours.ttft_p50_ms, ours.ttft_p99_ms
-                ),
-                met: ours.ttft_p50_ms <= p50 && ours.ttft_p99_ms <= p99,
-                margin: format!(
-                    "{:+.1} / {:+.1} ms",
-                    ours.ttft_p50_ms - p50,
-                    ours.ttft_p99_ms - p99
-                ),
-            });
-        }
-        if let (Some(u), Some(p)) = (
-            row("pressure-unpublished", "prefix"),
-            row("pressure-published", "prefix"),
-        ) {
-            let d = (u.hit_rate - p.hit_rate) * 100.0;
-            c.push(Check {
-                target: "capacity not published: hit rate within 1 point of published".into(),
-                measured: format!("{} vs {}", pct(u.hit_rate), pct(p.hit_rate)),
-                met: d >= -1.0,
-                margin: format!("{d:+.1} points"),
-            });
-        }
-        if let (Some(ours), Some(rr)) = (
-            row("hot-prompt", "prefix"),
-            row("hot-prompt", "round-robin"),
-        ) {
-            c.push(Check {
-                target: format!(
-                    "hot-prompt: TTFT p99 <= round-robin's ({})",
-                    if ours.runs >= 3 {
-                        format!("median of {} runs", ours.runs)
-                    } else {
-                        "the target is a median of three runs: --repeats 3".into()
-                    }
-                ),
-                measured: format!("{:.1} ms vs {:.1} ms", ours.ttft_p99_ms, rr.ttft_p99_ms),
-                met: ours.ttft_p99_ms <= rr.ttft_p99_ms,
-                margin: format!("{:+.1} ms", ours.ttft_p99_ms - rr.ttft_p99_ms),
-            });
-            c.push(Check {
-                target: "hot-prompt: max/mean load <= 1.25".into(),
-                measured: format!("{:.2}", ours.load_max_mean),
-                met: ours.load_max_mean <= 1.25,
-                margin: format!("{:+.2}", ours.load_max_mean - 1.25),
-            });
-            let d = (ours.hit_rate - rr.hit_rate) * 100.0;
-            c.push(Check {
-                target: "hot-prompt: hit rate >= round-robin's".into(),
-                measured: format!("{} vs {}", pct(ours.hit_rate), pct(rr.hit_rate)),
-                met: d >= 0.0,
-                margin: format!("{d:+.1} points"),
-            });
-        }
-        self.check_replica_targets(c);
-    }
-
-    /// The replicas' targets, on every row that ran prefix-router's
-    /// sharing front (`prefix`) at several replica counts: N replicas keep
-    /// at least 0.97x of one router's hit rate, with TTFT p50 and p99 at
-    /// most 1.1x one router's.
-    fn check_replica_targets(&self, c: &mut Vec<Check>) {
-        let rows = &self.quality_rows;
-        for r in rows
+        let peers: Vec<&QualityRow> = single
             .iter()
-            .filter(|r| r.policy == "prefix" && r.replicas > 1)
-        {
-            let Some(one) = rows
-                .iter()
-                .find(|b| b.scenario == r.scenario && b.policy == r.policy && b.replicas == 1)
-            else {
-                continue;
-            };
-            let kept = r.kept.unwrap_or(0.0);
-            // A run with a replica killed in it says so in its targets.
-            let restarted = if r.restarts.is_empty() {
-                ""
-            } else {
-                " (one restarted mid-run)"
-            };
+            .copied()
+            .filter(|r| r.scenario == sc && r.peer)
+            .collect();
+        let Some(best) = peers
+            .iter()
+            .max_by(|a, b| a.hit_rate.total_cmp(&b.hit_rate))
+        else {
+            continue;
+        };
+        let d = (ours.hit_rate - best.hit_rate) * 100.0;
+        // What the target asks beside what one pooled cache hits on the
+        // same traffic: a target above the pool is beyond placement.
+        let pool = match ours.pooled {
+            Some(p) => format!(
+                " (target {}; one pooled cache of the fleet's blocks: {})",
+                pct(best.hit_rate + 0.02),
+                pct(p)
+            ),
+            None => String::new(),
+        };
+        c.push(Check {
+            target: format!("{sc}: hit rate >= best peer's + 2 points"),
+            measured: format!(
+                "{} vs {} {}{pool}",
+                pct(ours.hit_rate),
+                best.policy,
+                pct(best.hit_rate)
+            ),
+            met: d >= 2.0,
+            margin: format!("{d:+.1} points"),
+        });
+        let p50 = peers
+            .iter()
+            .map(|r| r.ttft_p50_ms)
+            .fold(f64::INFINITY, f64::min);
+        let p99 = peers
+            .iter()
+            .map(|r| r.ttft_p99_ms)
+            .fold(f64::INFINITY, f64::min);
+        c.push(Check {
+            target: format!("{sc}: TTFT p50 and p99 <= the best peer's"),
+            measured: format!(
+                "p50 {:.1} ms (best peer {p50:.1}), p99 {:.1} ms (best peer {p99:.1})",
+                ours.ttft_p50_ms, ours.ttft_p99_ms
+            ),
+            met: ours.ttft_p50_ms <= p50 && ours.ttft_p99_ms <= p99,
+            margin: format!(
+                "{:+.1} / {:+.1} ms",
+                ours.ttft_p50_ms - p50,
+                ours.ttft_p99_ms - p99
+            ),
+        });
+    }
+    if let (Some(u), Some(p)) = (
+        row("pressure-unpublished", "prefix"),
+        row("pressure-published", "prefix"),
+    ) {
+        let d = (u.hit_rate - p.hit_rate) * 100.0;
+        c.push(Check {
+            target: "capacity not published: hit rate within 1 point of published".into(),
+            measured: format!("{} vs {}", pct(u.hit_rate), pct(p.hit_rate)),
+            met: d >= -1.0,
+            margin: format!("{d:+.1} points"),
+        });
+    }
+    if let (Some(ours), Some(rr)) = (
+        row("hot-prompt", "prefix"),
+        row("hot-prompt", "round-robin"),
+    ) {
+        c.push(Check {
+            target: format!(
+                "hot-prompt: TTFT p99 <= round-robin's ({})",
+                if ours.runs >= 3 {
+                    format!("median of {} runs", ours.runs)
+                } else {
+                    "the target is a median of three runs: --repeats 3".into()
+                }
+            ),
+            measured: format!("{:.1} ms vs {:.1} ms", ours.ttft_p99_ms, rr.ttft_p99_ms),
+            met: ours.ttft_p99_ms <= rr.ttft_p99_ms,
+            margin: format!("{:+.1} ms", ours.ttft_p99_ms - rr.ttft_p99_ms),
+        });
+        c.push(Check {
+            target: "hot-prompt: max/mean load <= 1.25".into(),
+            measured: format!("{:.2}", ours.load_max_mean),
+            met: ours.load_max_mean <= 1.25,
+            margin: format!("{:+.2}", ours.load_max_mean - 1.25),
+        });
+        let d = (ours.hit_rate - rr.hit_rate) * 100.0;
+        c.push(Check {
+            target: "hot-prompt: hit rate >= round-robin's".into(),
+            measured: format!("{} vs {}", pct(ours.hit_rate), pct(rr.hit_rate)),
+            met: d >= 0.0,
+            margin: format!("{d:+.1} points"),
+        });
+    }
+    check_replica_targets(rows, c);
+}
+
+/// The replicas' targets, on every row that ran prefix-router's
+/// sharing front (`prefix`) at several replica counts: N replicas keep
+/// at least 0.97x of one router's hit rate, with TTFT p50 and p99 at
+/// most 1.1x one router's.
+fn check_replica_targets(rows: &[QualityRow], c: &mut Vec<Check>) {
+    for r in rows
+        .iter()
+        .filter(|r| r.policy == "prefix" && r.replicas > 1)
+    {
+        let Some(one) = rows
+            .iter()
+            .find(|b| b.scenario == r.scenario && b.policy == r.policy && b.replicas == 1)
+        else {
+            continue;
+        };
+        let kept = r.kept.unwrap_or(0.0);
+        // A run with a replica killed in it says so in its targets.
+        let restarted = if r.restarts.is_empty() {
+            ""
+        } else {
+            " (one restarted mid-run)"
+        };
+        c.push(Check {
+            target: format!(
+                "{}: {} replicas{restarted} keep >= 0.97x one router's hit rate",
+                r.scenario, r.replicas
+            ),
+            measured: format!("{} vs {}", pct(r.hit_rate), pct(one.hit_rate)),
+            met: kept >= 0.97,
+            margin: format!("{kept:.3}x"),
+        });
+        let ratio = |a: f64, b: f64| a / b.max(1e-9);
+        let (p50, p99) = (
+            ratio(r.ttft_p50_ms, one.ttft_p50_ms),
+            ratio(r.ttft_p99_ms, one.ttft_p99_ms),
+        );
+        c.push(Check {
+            target: format!(
+                "{}: {} replicas'{restarted} TTFT p50 and p99 <= 1.1x one router's",
+                r.scenario, r.replicas
+            ),
+            measured: format!(
+                "p50 {:.1} ms vs {:.1}, p99 {:.1} ms vs {:.1}",
+                r.ttft_p50_ms, one.ttft_p50_ms, r.ttft_p99_ms, one.ttft_p99_ms
+            ),
+            met: p50 <= 1.1 && p99 <= 1.1,
+            margin: format!("{p50:.2}x / {p99:.2}x"),
+        });
+    }
+    for r in rows {
+        for f in &r.restarts {
+            let behind = f.points_behind();
             c.push(Check {
-                target: format!(
-                    "{}: {} replicas{restarted} keep >= 0.97x one router's hit rate",
-                    r.scenario, r.replicas
-                ),
-                measured: format!("{} vs {}", pct(r.hit_rate), pct(one.hit_rate)),
-                met: kept >= 0.97,
-                margin: format!("{kept:.3}x"),
-            });
-            let ratio = |a: f64, b: f64| a / b.max(1e-9);
-            let (p50, p99) = (
-                ratio(r.ttft_p50_ms, one.ttft_p50_ms),
-                ratio(r.ttft_p99_ms, one.ttft_p99_ms),
-            );
-            c.push(Check {
-                target: format!(
-                    "{}: {} replicas'{restarted} TTFT p50 and p99 <= 1.1x one router's",
-                    r.scenario, r.replicas
-                ),
-                measured: format!(
-                    "p50 {:.1} ms vs {:.1}, p99 {:.1} ms vs {:.1}",
-                    r.ttft_p50_ms, one.ttft_p50_ms, r.ttft_p99_ms, one.ttft_p99_ms
-                ),
-                met: p50 <= 1.1 && p99 <= 1.1,
-                margin: format!("{p50:.2}x / {p99:.2}x"),
-            });
-        }
-        for r in rows {
-            for f in &r.restarts {
-                let behind = f.points_behind();
-                c.push(Check {
                     target: format!(
                         "{}: 1 of {} replicas restarted: its hit rate in the {:.0} s after /ready within 1 point of the others'",
                         r.scenario,
@@ -201,7 +195,6 @@ impl BenchResults {
                     met: f.restarted.requests > 0 && behind <= 1.0,
                     margin: format!("{:+.1} points", -behind),
                 });
-            }
         }
     }
 }

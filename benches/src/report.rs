@@ -4,6 +4,7 @@
 use crate::micro::MicroRow;
 use crate::overhead::OverheadResults;
 use crate::quality::QualityRow;
+use crate::table::{Check, Table, pct};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -21,63 +22,6 @@ where
 {
     let v = serde_json::Value::deserialize(d)?;
     Ok(serde_json::from_value(v).ok())
-}
-
-pub fn pct(x: f64) -> String {
-    format!("{:.1}%", x * 100.0)
-}
-
-/// A table printable as aligned text or Markdown.
-pub struct Table {
-    head: Vec<String>,
-    rows: Vec<Vec<String>>,
-}
-
-impl Table {
-    pub fn new(head: &[&str]) -> Table {
-        Table {
-            head: head.iter().map(|s| s.to_string()).collect(),
-            rows: Vec::new(),
-        }
-    }
-
-    pub fn row(&mut self, r: Vec<String>) {
-        self.rows.push(r);
-    }
-
-    pub fn markdown(&self) -> String {
-        let mut s = format!("| {} |\n", self.head.join(" | "));
-        let _ = writeln!(s, "|{}", "---|".repeat(self.head.len()));
-        for r in &self.rows {
-            let _ = writeln!(s, "| {} |", r.join(" | "));
-        }
-        s
-    }
-
-    pub fn text(&self) -> String {
-        let mut w: Vec<usize> = self.head.iter().map(|h| h.len()).collect();
-        for r in &self.rows {
-            for (i, c) in r.iter().enumerate() {
-                if i < w.len() {
-                    w[i] = w[i].max(c.len());
-                }
-            }
-        }
-        let line = |r: &[String]| {
-            r.iter()
-                .enumerate()
-                .map(|(i, c)| format!("{:<w$}", c, w = w.get(i).copied().unwrap_or(0)))
-                .collect::<Vec<_>>()
-                .join("  ")
-        };
-        let mut s = line(&self.head);
-        s.push('\n');
-        for r in &self.rows {
-            s.push_str(&line(r));
-            s.push('\n');
-        }
-        s
-    }
 }
 
 /// The machine a run came from.
@@ -118,16 +62,6 @@ impl Machine {
             nginx,
         }
     }
-}
-
-/// One of the project's targets, checked.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Check {
-    pub target: String,
-    pub measured: String,
-    pub met: bool,
-    /// By how much it was missed (or the margin when met).
-    pub margin: String,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -235,7 +169,7 @@ impl BenchResults {
                 format!("{:+.2}", p.load_max_mean - 1.3),
             );
         }
-        self.check_placement_targets(&mut c);
+        crate::quality_report::check_placement_targets(&self.quality_rows, &mut c);
         self.checks = c;
     }
 

@@ -1,0 +1,72 @@
+//! What every report is made of: tables printable as Markdown or aligned
+//! text, percentages, and the project's targets as checked rows.
+
+use serde::{Deserialize, Serialize};
+use std::fmt::Write as _;
+
+pub fn pct(x: f64) -> String {
+    format!("{:.1}%", x * 100.0)
+}
+
+/// A table printable as aligned text or Markdown.
+pub struct Table {
+    head: Vec<String>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    pub fn new(head: &[&str]) -> Table {
+        Table {
+            head: head.iter().map(|s| s.to_string()).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    pub fn row(&mut self, r: Vec<String>) {
+        self.rows.push(r);
+    }
+
+    pub fn markdown(&self) -> String {
+        let mut s = format!("| {} |\n", self.head.join(" | "));
+        let _ = writeln!(s, "|{}", "---|".repeat(self.head.len()));
+        for r in &self.rows {
+            let _ = writeln!(s, "| {} |", r.join(" | "));
+        }
+        s
+    }
+
+    pub fn text(&self) -> String {
+        let mut w: Vec<usize> = self.head.iter().map(|h| h.len()).collect();
+        for r in &self.rows {
+            for (i, c) in r.iter().enumerate() {
+                if i < w.len() {
+                    w[i] = w[i].max(c.len());
+                }
+            }
+        }
+        let line = |r: &[String]| {
+            r.iter()
+                .enumerate()
+                .map(|(i, c)| format!("{:<w$}", c, w = w.get(i).copied().unwrap_or(0)))
+                .collect::<Vec<_>>()
+                .join("  ")
+        };
+        let mut s = line(&self.head);
+        s.push('\n');
+        for r in &self.rows {
+            s.push_str(&line(r));
+            s.push('\n');
+        }
+        s
+    }
+}
+
+/// One of the project's targets, checked.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Check {
+    pub target: String,
+    pub measured: String,
+    pub met: bool,
+    /// By how much it was missed (or the margin when met).
+    pub margin: String,
+}
