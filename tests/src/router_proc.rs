@@ -56,7 +56,9 @@ impl Router {
         for _ in 0..3 {
             match Self::spawn_once(backends, extra_args, config_toml) {
                 Ok(r) => return Ok(r),
-                Err(e) => last = e,
+                // Only a port taken in between is worth another try.
+                Err(e) if e.contains("Address already in use") => last = e,
+                Err(e) => return Err(e),
             }
         }
         Err(last)
@@ -97,9 +99,16 @@ impl Router {
             child,
             config,
         };
+        let mut router = router;
         let deadline = Instant::now() + START_TIMEOUT;
-        let ready = wait_http_ready(admin, "/health", START_TIMEOUT)
-            && wait_connectable(addr, deadline.saturating_duration_since(Instant::now()));
+        let mut ready = false;
+        // Short waits, so a router that exits (a bad config) fails at once.
+        while Instant::now() < deadline && router.child.is_running() {
+            if wait_http_ready(admin, "/health", Duration::from_millis(200)) {
+                ready = wait_connectable(addr, deadline.saturating_duration_since(Instant::now()));
+                break;
+            }
+        }
         if ready {
             return Ok(router);
         }
