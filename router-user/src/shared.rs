@@ -358,7 +358,7 @@ impl Router {
                     Some(p) => p,
                     None => scan(ep, query.body, &mut scratch.canon)?,
                 };
-                scratch.answered = (ep == Endpoint::Chat).then(|| scratch.canon.answered());
+                scratch.answered = ep.is_chat().then(|| scratch.canon.answered());
                 (p.seed, p.user, true)
             }
             None => {
@@ -495,7 +495,7 @@ impl Router {
         else {
             return None;
         };
-        if scratch.canon.token_ids() && ep != Endpoint::Chat {
+        if scratch.canon.token_ids() && !ep.is_chat() {
             return None;
         }
         let now = p.now_ms();
@@ -515,7 +515,7 @@ impl Router {
         if want.policy().unwrap_or(self.config.load().policy) != Policy::Prefix {
             return None;
         }
-        if ep == Endpoint::Chat && !t.use_template() {
+        if ep.is_chat() && !t.use_template() {
             return None;
         }
         let mut canonical = Vec::new();
@@ -566,7 +566,7 @@ impl Router {
             return;
         }
         let choice = p.tokenizers.for_model(scratch.canon.model());
-        let ids = scratch.canon.token_ids() && ep != Endpoint::Chat;
+        let ids = scratch.canon.token_ids() && !ep.is_chat();
         let offloaded = !ids && matches!(choice, crate::precise::tokenizer::Choice::Model(_));
         let max_tokens = p.tokenizers.max_tokens;
         let (tokens, covered, cut): (&[u32], usize, bool) = match query.tokens {

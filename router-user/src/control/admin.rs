@@ -104,6 +104,8 @@ fn handle(router: &Router, req: &Request, reload: &Reloader) -> Reply {
             let ep = match ep.as_str() {
                 "completions" => Endpoint::Completions,
                 "generate" => Endpoint::Generate,
+                "messages" => Endpoint::Messages,
+                "responses" => Endpoint::Responses,
                 _ => Endpoint::Chat,
             };
             let (status, v) = explain(router, ep, req.body);

@@ -97,7 +97,7 @@ const CUT_SEEK_BYTES: usize = 256;
 /// split words there first), else at a character; a chat's last message
 /// not cut inside its role.
 pub fn cut(canonical: &mut Vec<u8>, endpoint: Endpoint, token_ids: bool) {
-    if token_ids && endpoint != Endpoint::Chat {
+    if token_ids && !endpoint.is_chat() {
         canonical.truncate(canonical.len() / 4 * 4);
         return;
     }
@@ -134,7 +134,7 @@ pub fn cut(canonical: &mut Vec<u8>, endpoint: Endpoint, token_ids: bool) {
         end = start;
     }
     canonical.truncate(end);
-    if endpoint == Endpoint::Chat {
+    if endpoint.is_chat() {
         // A last message cut inside its role is left out.
         if let Some(rs) = memchr::memrchr(MESSAGE_START, canonical)
             && memchr::memchr(ROLE_END, &canonical[rs..]).is_none()
@@ -187,7 +187,7 @@ pub fn engine_tokens(
         cut,
     } = *prompt;
     out.clear();
-    if token_ids && endpoint != Endpoint::Chat {
+    if token_ids && !endpoint.is_chat() {
         out.extend(
             canonical
                 .chunks_exact(4)
@@ -205,11 +205,10 @@ pub fn engine_tokens(
         }
         Choice::Unavailable => false,
         Choice::Model(t) => {
-            let done = match endpoint {
-                Endpoint::Chat => t.chat_tokens(canonical, cut, pool, out),
-                Endpoint::Completions | Endpoint::Generate => {
-                    t.completion_tokens(canonical, cut, pool, out)
-                }
+            let done = if endpoint.is_chat() {
+                t.chat_tokens(canonical, cut, pool, out)
+            } else {
+                t.completion_tokens(canonical, cut, pool, out)
             };
             match done {
                 Ok(()) => true,
@@ -233,7 +232,7 @@ fn toy_tokens(
     out: &mut Vec<u32>,
 ) {
     match endpoint {
-        Endpoint::Chat => {
+        Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => {
             text.clear();
             let starts = memchr::memchr_iter(MESSAGE_START, canonical).chain([canonical.len()]);
             let mut prev = None;

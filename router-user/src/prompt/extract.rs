@@ -32,6 +32,10 @@ pub enum Endpoint {
     Completions,
     /// SGLang's `POST /generate`: `text` or `input_ids`.
     Generate,
+    /// Anthropic's `POST /v1/messages`: `system`, `messages`, `tools`.
+    Messages,
+    /// OpenAI's `POST /v1/responses`: `instructions`, `input`, `tools`.
+    Responses,
 }
 
 impl Endpoint {
@@ -44,8 +48,18 @@ impl Endpoint {
             "/v1/chat/completions" => Some(Endpoint::Chat),
             "/v1/completions" => Some(Endpoint::Completions),
             "/generate" => Some(Endpoint::Generate),
+            "/v1/messages" => Some(Endpoint::Messages),
+            "/v1/responses" => Some(Endpoint::Responses),
             _ => None,
         }
+    }
+
+    /// A conversation of messages (rendered through the chat template).
+    pub fn is_chat(self) -> bool {
+        matches!(
+            self,
+            Endpoint::Chat | Endpoint::Messages | Endpoint::Responses
+        )
     }
 }
 
@@ -91,6 +105,16 @@ impl Extractor {
         canon: &mut Vec<u8>,
     ) -> Result<Prompt, RouterError> {
         canon.clear();
+        if matches!(endpoint, Endpoint::Messages | Endpoint::Responses) {
+            // One reader for these (serde on the body): the scan's.
+            let mut c = crate::prompt::scan::Canonical::default();
+            let p = crate::prompt::scan::scan(endpoint, body, &mut c)?;
+            c.write_to(body, canon);
+            self.salt.clear();
+            self.salt.extend_from_slice(c.salt());
+            self.token_ids = false;
+            return Ok(p);
+        }
         self.scratch.clear();
         self.scratch.extend_from_slice(body);
         let buffers = self
@@ -138,6 +162,7 @@ impl Extractor {
                 self.token_ids = matches!(prompt, PromptInput::Tokens(_));
                 prompt.write_canonical(canon);
             }
+            Endpoint::Messages | Endpoint::Responses => unreachable!("read above"),
             Endpoint::Generate => match (parsed.text, parsed.input_ids) {
                 (Some(text), _) => {
                     self.token_ids = matches!(text, PromptInput::Tokens(_));

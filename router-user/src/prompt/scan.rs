@@ -44,6 +44,11 @@ pub struct Canonical {
     /// A chat message has the role `assistant`: the conversation is past
     /// its first turn.
     answered: bool,
+    /// A Responses body's `previous_response_id` (empty: none).
+    previous_response: Vec<u8>,
+    /// A Responses body asks the engine to store its answer (`store`,
+    /// true unless false).
+    store: bool,
 }
 
 impl Canonical {
@@ -66,6 +71,42 @@ impl Canonical {
         self.model.clear();
         self.adapter.clear();
         self.answered = false;
+        self.previous_response.clear();
+        self.store = false;
+    }
+
+    /// A Responses body's `previous_response_id` (empty: none).
+    pub fn previous_response(&self) -> &[u8] {
+        &self.previous_response
+    }
+
+    /// Whether the engine stores the answer under its id (a Responses body
+    /// without `store: false`).
+    pub fn stores(&self) -> bool {
+        self.store
+    }
+
+    /// Starts a message: `RS role US` (the APIs read with serde, see
+    /// `prompt::apis`).
+    pub(crate) fn push_message(&mut self, role: &[u8]) {
+        self.aux(&[MESSAGE_START]);
+        self.aux(role);
+        self.aux(&[ROLE_END]);
+        self.answered |= role == b"assistant";
+    }
+
+    /// Appends text to the canonical prompt.
+    pub(crate) fn push_text(&mut self, text: &[u8]) {
+        self.aux(text);
+    }
+
+    /// The fields `prompt::apis` read besides the prompt.
+    pub(crate) fn set_fields(&mut self, model: &[u8], salt: &[u8], previous: &[u8], store: bool) {
+        self.model.extend_from_slice(model);
+        self.salt.extend_from_slice(salt);
+        self.previous_response.extend_from_slice(previous);
+        self.store = store;
+        self.answered |= !previous.is_empty();
     }
 
     /// Whether a chat holds an earlier answer (a message of role
@@ -168,6 +209,11 @@ impl Canonical {
 /// naming the problem.
 pub fn scan(endpoint: Endpoint, body: &[u8], canon: &mut Canonical) -> Result<Prompt, RouterError> {
     canon.clear();
+    match endpoint {
+        Endpoint::Messages => return crate::prompt::apis::messages(body, canon),
+        Endpoint::Responses => return crate::prompt::apis::responses(body, canon),
+        Endpoint::Chat | Endpoint::Completions | Endpoint::Generate => {}
+    }
     let mut s = Scanner {
         b: body,
         i: 0,
