@@ -474,12 +474,27 @@ impl Default for Retry {
 /// engine (engines serve management routes such as `/reset_prefix_cache`
 /// and `/metrics` on the same port). Paths are matched after normalisation
 /// (`http::request::normalise_path`).
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Routes {
     /// More paths to forward, with any method, in normal form (e.g.
     /// `"/v1/embeddings"`, `"/tokenize"`).
     pub extra_allowed: Vec<String>,
+    /// Stored responses (`/v1/responses`) whose engine the router keeps
+    /// (`fleet::stored`): about 100 bytes each; the oldest go first.
+    pub responses_max_ids: usize,
+    /// How long the router keeps a stored response's engine, in seconds.
+    pub responses_ttl_s: u64,
+}
+
+impl Default for Routes {
+    fn default() -> Self {
+        Routes {
+            extra_allowed: Vec::new(),
+            responses_max_ids: 262_144,
+            responses_ttl_s: 86_400,
+        }
+    }
 }
 
 /// Active health checks, and passive ejection.

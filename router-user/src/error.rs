@@ -81,6 +81,19 @@ impl Kind {
         }
     }
 
+    /// Anthropic's `error.type` for this kind.
+    fn anthropic_type(self) -> &'static str {
+        match self {
+            Kind::NotFound | Kind::ModelNotFound => "not_found_error",
+            Kind::BodyTooLarge => "request_too_large",
+            Kind::Unavailable => "overloaded_error",
+            k => match k.side() {
+                Side::Client => "invalid_request_error",
+                Side::Backend | Side::Internal => "api_error",
+            },
+        }
+    }
+
     /// OpenAI's `error.type` for this kind.
     fn openai_type(self) -> &'static str {
         match self.side() {
@@ -97,6 +110,29 @@ impl Kind {
             Kind::ModelNotFound => (Some("model"), "model_not_found".into()),
             Kind::ModelRequired => (Some("model"), "model_required".into()),
             k => (None, k.status().into()),
+        }
+    }
+}
+
+/// The error body's shape: the API the request was made in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    /// `{"error": {"message", "type", "param", "code"}}`: OpenAI's, and
+    /// every engine's OpenAI-compatible API.
+    OpenAi,
+    /// `{"type": "error", "error": {"type", "message"}}`: Anthropic's
+    /// Messages API (`/v1/messages`).
+    Anthropic,
+}
+
+impl Shape {
+    /// The shape for a request to `path` (normalised).
+    pub fn of_path(path: &str) -> Shape {
+        let path = path.split('?').next().unwrap_or(path);
+        if path == "/v1/messages" || path.starts_with("/v1/messages/") {
+            Shape::Anthropic
+        } else {
+            Shape::OpenAi
         }
     }
 }
@@ -169,23 +205,43 @@ impl RouterError {
         self.kind.status()
     }
 
-    /// The whole HTTP response for this error. `close` adds `connection: close`
-    /// (after framing errors the byte stream can no longer be trusted);
-    /// `debug` (`debug_headers`) appends the detail to the message.
+    /// The whole HTTP response for this error, OpenAI-shaped. `close` adds
+    /// `connection: close` (after framing errors the byte stream can no
+    /// longer be trusted); `debug` (`debug_headers`) appends the detail to
+    /// the message.
     pub fn to_response(&self, close: bool, retry_after: Option<u32>, debug: bool) -> Vec<u8> {
+        self.to_response_in(Shape::OpenAi, close, retry_after, debug)
+    }
+
+    /// [`RouterError::to_response`] in the shape of the request's API.
+    pub fn to_response_in(
+        &self,
+        shape: Shape,
+        close: bool,
+        retry_after: Option<u32>,
+        debug: bool,
+    ) -> Vec<u8> {
         let message = match &self.detail {
             Some(d) if debug => format!("{}: {d}", self.message),
             _ => self.message.clone(),
         };
-        let (param, code) = self.kind.openai_param_code();
-        let body = serde_json::json!({
-            "error": {
-                "message": message,
-                "type": self.kind.openai_type(),
-                "param": param,
-                "code": code,
+        let body = match shape {
+            Shape::OpenAi => {
+                let (param, code) = self.kind.openai_param_code();
+                serde_json::json!({
+                    "error": {
+                        "message": message,
+                        "type": self.kind.openai_type(),
+                        "param": param,
+                        "code": code,
+                    }
+                })
             }
-        })
+            Shape::Anthropic => serde_json::json!({
+                "type": "error",
+                "error": {"type": self.kind.anthropic_type(), "message": message},
+            }),
+        }
         .to_string();
         let mut out = Vec::with_capacity(body.len() + 160);
         out.extend_from_slice(
@@ -243,6 +299,24 @@ pub fn reason(status: u16) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_messages_api_gets_anthropics_error_shape() {
+        let e = RouterError::new(Kind::InvalidBody, "'messages' is required");
+        let resp =
+            String::from_utf8(e.to_response_in(Shape::Anthropic, false, None, false)).unwrap();
+        let body = resp.split_once("\r\n\r\n").unwrap().1;
+        let v: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["type"], "error");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["message"], "'messages' is required");
+        assert_eq!(Shape::of_path("/v1/messages"), Shape::Anthropic);
+        assert_eq!(Shape::of_path("/v1/responses"), Shape::OpenAi);
+        let busy = RouterError::new(Kind::Unavailable, "busy");
+        let resp = String::from_utf8(busy.to_response_in(Shape::Anthropic, false, Some(1), false))
+            .unwrap();
+        assert!(resp.contains("overloaded_error"), "{resp}");
+    }
 
     #[test]
     fn error_response_is_openai_shaped_json() {

@@ -54,6 +54,7 @@ impl DecisionName {
             Decision::Cold => "cold",
             Decision::Bounded => "bounded",
             Decision::Baseline => "baseline",
+            Decision::Stored => "stored",
         }
     }
 }
@@ -132,6 +133,7 @@ struct DecisionCounters {
     cold: Counter,
     bounded: Counter,
     baseline: Counter,
+    stored: Counter,
 }
 
 impl DecisionCounters {
@@ -141,6 +143,7 @@ impl DecisionCounters {
             Decision::Cold => &self.cold,
             Decision::Bounded => &self.bounded,
             Decision::Baseline => &self.baseline,
+            Decision::Stored => &self.stored,
         }
     }
 }
@@ -221,6 +224,7 @@ impl Metrics {
             cold: member(Decision::Cold),
             bounded: member(Decision::Bounded),
             baseline: member(Decision::Baseline),
+            stored: member(Decision::Stored),
         };
         let matched_blocks =
             Histogram::new([0.0, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0]);

@@ -17,6 +17,7 @@ use crate::fleet::feedback::{Correction, Usage};
 use crate::fleet::index::{Matches, PrefixIndex};
 use crate::fleet::models::{self, Member, ModelStats, Models, Served};
 use crate::fleet::owners::BackendSet;
+use crate::fleet::stored::StoredResponses;
 use crate::metrics::{Metrics, Sources};
 use crate::policy::select::{self, BackendLoad, Choice, Policy, RouteInput};
 use crate::precise::Precise;
@@ -49,6 +50,8 @@ pub struct Router {
     /// Replicas (`[replicas] listen`, read at start): what this router
     /// tells its peers (drained by `control::replicas`) and knows of them.
     pub replica: Option<Arc<Replica>>,
+    /// Which backend stored each stored response (`/v1/responses`).
+    pub stored: StoredResponses,
 }
 
 /// Retries across all requests are capped at `retry.budget_percent` of
@@ -127,6 +130,11 @@ pub struct RouteScratch {
 }
 
 impl RouteScratch {
+    /// The last routed request's canonical prompt and the fields read with it.
+    pub fn canon(&self) -> &Canonical {
+        &self.canon
+    }
+
     /// Takes the scan [`Router::token_job`] left here, to be put back by
     /// [`Self::restore_scan`] for the same body.
     pub fn take_scan(&mut self) -> Option<Scanned> {
@@ -264,6 +272,10 @@ impl Router {
             .replicas
             .enabled()
             .then(|| Arc::new(Replica::new(replica_id())));
+        let stored = StoredResponses::new(
+            config.routes.responses_max_ids,
+            std::time::Duration::from_secs(config.routes.responses_ttl_s),
+        );
         let config = Arc::new(ArcSwap::from_pointee(config));
         let fleet = Arc::new(ArcSwap::from_pointee(Fleet { backends }));
         let metrics = Metrics::new(Sources {
@@ -276,6 +288,7 @@ impl Router {
         });
         let router = Arc::new(Router {
             replica,
+            stored,
             models,
             precise,
             subscribers: std::sync::Mutex::new(Vec::new()),
@@ -697,6 +710,12 @@ impl Router {
             backend.slots.clear();
             warn!(backend = %backend.url, failures = n, last = why, "backend ejected after failed requests");
         }
+    }
+
+    /// `backend` stored the response `id` (`/v1/responses`): requests
+    /// that name it go there.
+    pub fn stored_response(&self, id: &str, backend: &Backend) {
+        self.stored.store(id, backend.id_hash);
     }
 
     /// Records that `backend` was sent the prompt with these block hashes,

@@ -24,6 +24,10 @@ pub fn apply(router: &Router, membership: &Membership, mut new: Config) -> anyho
         new.workers = old.workers;
     }
     router.retry_budget.set_percent(new.retry.budget_percent);
+    router.stored.set_bounds(
+        new.routes.responses_max_ids,
+        std::time::Duration::from_secs(new.routes.responses_ttl_s),
+    );
     // A chat template that failed or cost too much is tried again.
     if let Some(p) = &router.precise {
         p.tokenizers.reset_templates();

@@ -28,8 +28,8 @@ use crate::fleet::index::{AGE_UNKNOWN, anchor_after, anchor_of};
 use crate::policy::select::SHARED_MIN_BLOCKS;
 
 /// Bytes kept from the end of one read so a key split across two reads is
-/// still found: a key (15 bytes), a colon, spaces and a 10-digit number.
-const CARRY: usize = 48;
+/// still found: a key (up to 29 bytes), a colon, spaces and a 10-digit number.
+const CARRY: usize = 64;
 
 /// What an answer said of its prompt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,7 +42,11 @@ pub struct Usage {
 }
 
 /// Finds `"prompt_tokens": N`, `"cached_tokens": N` and
-/// `"completion_tokens": N` in a response as it streams by. Scans with
+/// `"completion_tokens": N` in a response as it streams by, and the other
+/// APIs' names for them: the Responses API's `input_tokens` (cached ones
+/// included) and `output_tokens`; Anthropic's `input_tokens` (cached ones
+/// not included), `cache_read_input_tokens` and
+/// `cache_creation_input_tokens`. Scans with
 /// memchr's SIMD search for the keys' common end; a response's last values
 /// win (a stream's usage chunk comes last). A key split by chunked framing
 /// is missed: the answer then reports nothing, which costs only a sample.
@@ -53,6 +57,10 @@ pub struct UsageScanner {
     prompt_tokens: Field,
     cached_tokens: Field,
     completion_tokens: Field,
+    input_tokens: Field,
+    output_tokens: Field,
+    cache_read_tokens: Field,
+    cache_creation_tokens: Field,
 }
 
 /// A usage number as the scanner last read it.
@@ -106,6 +114,10 @@ impl Default for UsageScanner {
             prompt_tokens: Field::Missing,
             cached_tokens: Field::Missing,
             completion_tokens: Field::Missing,
+            input_tokens: Field::Missing,
+            output_tokens: Field::Missing,
+            cache_read_tokens: Field::Missing,
+            cache_creation_tokens: Field::Missing,
         }
     }
 }
@@ -140,6 +152,10 @@ const KEY_END: &[u8] = b"_tokens\"";
 const PROMPT_KEY: &[u8] = b"\"prompt";
 const CACHED_KEY: &[u8] = b"\"cached";
 const COMPLETION_KEY: &[u8] = b"\"completion";
+const INPUT_KEY: &[u8] = b"\"input";
+const OUTPUT_KEY: &[u8] = b"\"output";
+const CACHE_READ_KEY: &[u8] = b"\"cache_read_input";
+const CACHE_CREATION_KEY: &[u8] = b"\"cache_creation_input";
 
 /// One searcher for the whole process: building it per read showed in
 /// profiles.
@@ -184,13 +200,33 @@ impl UsageScanner {
             self.prompt_tokens,
             self.cached_tokens,
             self.completion_tokens,
+            self.input_tokens,
+            self.output_tokens,
+            self.cache_read_tokens,
+            self.cache_creation_tokens,
         ];
         if fields.contains(&Field::Bad) {
             return Reported::Invalid(Invalid::NotAnInteger);
         }
-        let (Field::Int(prompt_tokens), Field::Int(cached_tokens)) =
-            (self.prompt_tokens, self.cached_tokens)
-        else {
+        let int = |f: Field| match f {
+            Field::Int(n) => Some(n),
+            Field::Missing | Field::Bad => None,
+        };
+        let (prompt, cached) = match (self.prompt_tokens, self.cache_read_tokens) {
+            (Field::Int(p), _) => (Some(p), int(self.cached_tokens)),
+            // Anthropic's: the prompt is the uncached, read and written parts.
+            (Field::Missing, Field::Int(read)) => {
+                let input = int(self.input_tokens).unwrap_or(0);
+                let written = int(self.cache_creation_tokens).unwrap_or(0);
+                (
+                    input.checked_add(read).and_then(|n| n.checked_add(written)),
+                    Some(read),
+                )
+            }
+            // The Responses API's: `input_tokens` counts the cached ones.
+            _ => (int(self.input_tokens), int(self.cached_tokens)),
+        };
+        let (Some(prompt_tokens), Some(cached_tokens)) = (prompt, cached) else {
             return Reported::Nothing;
         };
         if cached_tokens > prompt_tokens {
@@ -199,10 +235,9 @@ impl UsageScanner {
         Reported::Valid(Usage {
             prompt_tokens,
             cached_tokens,
-            completion_tokens: match self.completion_tokens {
-                Field::Int(n) => n,
-                Field::Missing | Field::Bad => 0,
-            },
+            completion_tokens: int(self.completion_tokens)
+                .or(int(self.output_tokens))
+                .unwrap_or(0),
         })
     }
 
@@ -214,6 +249,10 @@ impl UsageScanner {
                 (PROMPT_KEY, &mut self.prompt_tokens),
                 (CACHED_KEY, &mut self.cached_tokens),
                 (COMPLETION_KEY, &mut self.completion_tokens),
+                (INPUT_KEY, &mut self.input_tokens),
+                (OUTPUT_KEY, &mut self.output_tokens),
+                (CACHE_READ_KEY, &mut self.cache_read_tokens),
+                (CACHE_CREATION_KEY, &mut self.cache_creation_tokens),
             ] {
                 let Some(start) = end.checked_sub(name.len()) else {
                     continue;
@@ -688,6 +727,40 @@ mod tests {
                 cached_tokens: 1024,
                 completion_tokens: 66
             }
+        );
+    }
+
+    #[test]
+    fn reads_the_messages_and_responses_apis_usage() {
+        // Anthropic's `input_tokens` leaves out the tokens read from the cache.
+        let messages = br#"{"type":"message","content":[{"type":"text","text":"input_tokens"}],"usage":{"input_tokens":210,"cache_creation_input_tokens":0,"cache_read_input_tokens":1024,"output_tokens":24}}"#;
+        let want = Some(Usage {
+            prompt_tokens: 1234,
+            cached_tokens: 1024,
+            completion_tokens: 24,
+        });
+        for cut in 1..messages.len() {
+            assert_eq!(
+                scan(&[&messages[..cut], &messages[cut..]]),
+                want,
+                "cut {cut}"
+            );
+        }
+        // Its stream: the prompt in `message_start`, the output last.
+        let sse: &[&[u8]] = &[
+            b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":210,\"cache_read_input_tokens\":1024,\"output_tokens\":1}}}\n\n",
+            b"event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":24}}\n\n",
+        ];
+        assert_eq!(scan(sse), want);
+        // The Responses API's `input_tokens` counts the cached ones.
+        let responses = br#"{"object":"response","usage":{"input_tokens":1234,"input_tokens_details":{"cached_tokens":1024},"output_tokens":24,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":1258}}"#;
+        assert_eq!(scan(&[responses]), want);
+        let created = br#"data: {"type":"response.created","response":{"usage":null}}"#;
+        assert_eq!(scan(&[created, b"\n\n", responses]), want);
+        // Without cached counts there is nothing to learn from.
+        assert_eq!(
+            scan(&[br#"{"usage":{"input_tokens":5,"output_tokens":2}}"#]),
+            None
         );
     }
 

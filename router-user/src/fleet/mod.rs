@@ -1,7 +1,8 @@
 //! What each backend holds and has taught: which blocks were sent where
 //! (`index`, named by `owners`), the backends' live facts (`backend`), which
 //! backend serves which model (`models`), what each slot of a llama.cpp-like
-//! engine holds (`slots`) and what the engines' answers taught (`feedback`).
+//! engine holds (`slots`), what the engines' answers taught (`feedback`)
+//! and which engine stored each stored response (`stored`).
 //! No sockets, no configuration file, no metrics.
 
 /// The most backends a fleet holds over all pools: every per-backend table
@@ -16,3 +17,4 @@ pub mod index;
 pub mod models;
 pub mod owners;
 pub mod slots;
+pub mod stored;

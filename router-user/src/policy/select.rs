@@ -199,6 +199,9 @@ pub enum Decision {
     Bounded,
     /// A baseline policy chose.
     Baseline,
+    /// The request continues or reads a stored response: the backend that
+    /// stored it, and no other (`fleet::stored`).
+    Stored,
 }
 
 /// Fewest blocks of a request every eligible backend must hold for the rest

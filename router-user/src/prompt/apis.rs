@@ -110,12 +110,9 @@ fn parse<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, RouterError> {
 /// when there are any.
 fn seed(model: &str, salt: &str, tools: Option<&RawValue>) -> u64 {
     match tools {
-        Some(t) if !matches!(t.get(), "null" | "[]") => namespace_seed(&[
-            model.as_bytes(),
-            b"",
-            salt.as_bytes(),
-            t.get().as_bytes(),
-        ]),
+        Some(t) if !matches!(t.get(), "null" | "[]") => {
+            namespace_seed(&[model.as_bytes(), b"", salt.as_bytes(), t.get().as_bytes()])
+        }
         _ => namespace_seed(&[model.as_bytes(), b"", salt.as_bytes()]),
     }
 }

@@ -4,6 +4,7 @@
 use crate::error::{Kind, RouterError};
 use crate::fleet::backend::Fleet;
 use crate::fleet::models::ModelTable;
+use crate::fleet::stored;
 use crate::http::request::RequestHead;
 use crate::prompt::extract::Endpoint;
 
@@ -15,8 +16,15 @@ pub fn check_route(head: &RequestHead, fwd: &[u8], extra: &[String]) -> Result<(
     let path = head.path(fwd);
     let method = head.method(fwd).as_bytes();
     let allowed: &[&[u8]] = match path {
-        "/v1/chat/completions" | "/v1/completions" | "/generate" => &[b"POST"],
+        "/v1/chat/completions"
+        | "/v1/completions"
+        | "/generate"
+        | "/v1/messages"
+        | "/v1/responses" => &[b"POST"],
         "/v1/models" => &[b"GET", b"HEAD"],
+        p if p.ends_with("/cancel") && stored::id_in_path(p).is_some() => &[b"POST"],
+        p if stored::id_in_path(p).is_some() && p.ends_with("/input_items") => &[b"GET"],
+        p if stored::id_in_path(p).is_some() => &[b"GET", b"DELETE"],
         p if extra.iter().any(|e| e == p) => return Ok(()),
         _ => {
             return Err(RouterError::new(
@@ -32,7 +40,11 @@ pub fn check_route(head: &RequestHead, fwd: &[u8], extra: &[String]) -> Result<(
             Kind::MethodNotAllowed,
             format!(
                 "{path} takes {}",
-                if allowed.len() == 1 { "POST" } else { "GET" }
+                allowed
+                    .iter()
+                    .map(|m| String::from_utf8_lossy(m))
+                    .collect::<Vec<_>>()
+                    .join(" or ")
             ),
         ))
     }
@@ -192,6 +204,28 @@ mod tests {
             405
         );
         assert_eq!(status("GET /admin HTTP/1.1\r\n\r\n", &[]), 404);
+        for ok in [
+            "POST /v1/messages",
+            "POST /v1/responses",
+            "GET /v1/responses/resp_1",
+            "DELETE /v1/responses/resp_1",
+            "GET /v1/responses/resp_1/input_items",
+            "POST /v1/responses/resp_1/cancel",
+        ] {
+            assert_eq!(status(&format!("{ok} HTTP/1.1\r\n\r\n"), &[]), 200, "{ok}");
+        }
+        for (refused, code) in [
+            ("GET /v1/messages", 405),
+            ("POST /v1/responses/resp_1", 405),
+            ("GET /v1/responses/resp_1/cancel", 405),
+            ("GET /v1/responses/resp_1/other", 404),
+        ] {
+            assert_eq!(
+                status(&format!("{refused} HTTP/1.1\r\n\r\n"), &[]),
+                code,
+                "{refused}"
+            );
+        }
         let extra = ["/v1/embeddings".to_owned()];
         assert_eq!(status("POST /v1/embeddings HTTP/1.1\r\n\r\n", &extra), 200);
     }

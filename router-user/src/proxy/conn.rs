@@ -10,7 +10,7 @@ use monoio::net::TcpStream;
 use tracing::{info, warn};
 
 use crate::config::{Config, ms};
-use crate::error::{Kind, RouterError, Side};
+use crate::error::{Kind, RouterError, Shape, Side};
 use crate::proxy::budget;
 use crate::proxy::client::{ClientConn, Request, linger, read_request, shrink};
 use crate::proxy::io::write_all;
@@ -82,7 +82,8 @@ async fn one_request(
             log_error(&e, &c.peer, head.path(&c.fwd));
             // The request was read whole, so the connection stays usable.
             let retry_after = (e.kind == Kind::Unavailable).then_some(1);
-            let mut resp = e.to_response(!reusable, retry_after, cfg.debug_headers);
+            let shape = Shape::of_path(head.path(&c.fwd));
+            let mut resp = e.to_response_in(shape, !reusable, retry_after, cfg.debug_headers);
             if write_all(&mut c.stream, &mut resp, ms(cfg.timeouts.client_write_ms))
                 .await
                 .is_err()

@@ -15,6 +15,7 @@ use crate::config::{Config, ms};
 use crate::error::{Kind, Resend, RouterError};
 use crate::fleet::backend::{Backend, InFlight};
 use crate::fleet::feedback::{Reported, UsageScanner};
+use crate::fleet::stored::IdScanner;
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{BodyFraming, RequestHead};
 use crate::http::response::{self, ResponseFraming};
@@ -54,6 +55,8 @@ pub struct Attempt<'a> {
     pub decision: Decision,
     /// Only a fresh connection (a pooled one just failed).
     pub fresh_only: bool,
+    /// The engine stores the answer (`/v1/responses`): read its id.
+    pub stores_answer: bool,
 }
 
 /// A request in flight on a backend, as this replica counts it and, with
@@ -139,6 +142,8 @@ pub struct Answered {
     /// The answer was an event stream (its first byte is a first token).
     pub streaming: bool,
     pub first_body_at: Option<Instant>,
+    /// The stored response's id (with `Attempt::stores_answer`).
+    pub response_id: Option<String>,
 }
 
 /// Completes `c.fwd` (the forwarded head) with the body's length and, when
@@ -241,6 +246,7 @@ pub async fn forward(
     let streaming = event_stream_finder().find(&c.out).is_some();
     let mut usage = UsageScanner::default();
     let mut first_body_at = None;
+    let mut response_id = at.stores_answer.then(IdScanner::default);
 
     // The response body, in one loop that every byte passes, in order: the
     // bytes read with the head first (sent behind the head in one write),
@@ -276,6 +282,9 @@ pub async fn forward(
         };
         leftover |= take < bytes.len();
         usage.feed(&bytes[..take]);
+        if let Some(ids) = &mut response_id {
+            ids.feed(&bytes[..take]);
+        }
         if take > 0 && first_body_at.is_none() {
             // The first body byte, not the head: an engine streaming an
             // answer (vLLM, the sim-engine) sends its head when it takes
@@ -325,6 +334,7 @@ pub async fn forward(
         usage: usage.report(),
         streaming,
         first_body_at,
+        response_id: response_id.and_then(IdScanner::id),
     })
 }
 

@@ -13,6 +13,8 @@ use crate::error::{Kind, Resend, RouterError};
 use crate::fleet::backend::Backend;
 use crate::fleet::feedback::Reported;
 use crate::fleet::models::ModelStats;
+use crate::fleet::stored;
+use crate::policy::select::Decision;
 use crate::precise::keys::EngineTokens;
 use crate::proxy::api;
 use crate::proxy::client::{Body, ClientConn, Request};
@@ -56,9 +58,21 @@ pub async fn handle(
     let deadline = Instant::now() + ms(cfg.timeouts.queue_ms);
     let mut head_finished = false;
     let mut tries = Tries::default();
+    // `/v1/responses/{id}...`: only the engine that stored it knows it.
+    let path_id = api::endpoint(req.head, &c.fwd)
+        .is_none()
+        .then(|| stored::id_in_path(req.head.path(&c.fwd)).map(str::to_owned))
+        .flatten();
+    let mut pin = None;
     loop {
         let started = Instant::now();
         let mut routed = route_once(worker, c, req, tokens.as_ref(), scanned.take())?;
+        if tries.attempts == 0 && !tries.full {
+            pin = stored_pin(worker, path_id.as_deref())?;
+        }
+        if let Some(p) = &pin {
+            p.apply(cfg, &mut routed, c.blocks.hashes.len() as u32)?;
+        }
         // The router's own time: from the request read to the first
         // decision, plus each decision again after waiting; the wait itself
         // is the queue's.
@@ -67,7 +81,7 @@ pub async fn handle(
         } else {
             started.elapsed()
         };
-        let queued = routed.choice.len == 0 && queueable(cfg, &routed);
+        let queued = routed.choice.len == 0 && (pin.is_some() || queueable(cfg, &routed));
         if queued {
             // Every up backend is at `limits.max_in_flight_per_backend`: wait
             // for room (atomic loads only), then route again, until `queue_ms`.
@@ -77,6 +91,9 @@ pub async fn handle(
                 if has_room(cfg, &routed) {
                     let again = Instant::now();
                     routed = route_once(worker, c, req, tokens.as_ref(), None)?;
+                    if let Some(p) = &pin {
+                        p.apply(cfg, &mut routed, c.blocks.hashes.len() as u32)?;
+                    }
                     routing += again.elapsed();
                 }
             }
@@ -101,6 +118,10 @@ pub async fn handle(
             head_finished = true;
         }
         tries.new_round();
+        // The engine keeps the answer under its id: read it on the way.
+        let stores_answer = api::endpoint(req.head, &c.fwd)
+            == Some(crate::prompt::extract::Endpoint::Responses)
+            && worker.scratch.borrow().canon().stores();
         let mut i = 0;
         while i < routed.choice.len && tries.attempts < cfg.retry.max_attempts {
             if !tries.may_send(worker) {
@@ -120,6 +141,7 @@ pub async fn handle(
                     prefill_blocks: ch.prefill_blocks,
                     decision: ch.decision,
                     fresh_only: tries.fresh_only,
+                    stores_answer,
                 }
             } else {
                 Attempt {
@@ -129,6 +151,7 @@ pub async fn handle(
                     prefill_blocks: prompt_blocks,
                     decision: routed.choice.decision,
                     fresh_only: tries.fresh_only,
+                    stores_answer,
                 }
             };
             let sent = attempt(worker, cfg, c, req, &at, &routed.model).await;
@@ -142,6 +165,14 @@ pub async fn handle(
             // Lost every slot race: queue again while `queue_ms` lasts.
             None if tries.full && Instant::now() < deadline => continue,
             None if tries.full => return Err(at_limit(cfg)),
+            // The engine that stored the response cannot be reached: it
+            // is gone, and what it stored with it.
+            Some(_) if pin.is_some() => {
+                return Err(pin.as_ref().map_or_else(
+                    || RouterError::new(Kind::Internal, "pinned"),
+                    StoredPin::gone,
+                ));
+            }
             last => {
                 return Err(last.unwrap_or_else(|| {
                     RouterError::new(Kind::BadGateway, "no backend could be reached")
@@ -304,6 +335,9 @@ async fn attempt(
         }
     };
     if (200..300).contains(&answer.status) {
+        if let Some(id) = &answer.response_id {
+            router.stored_response(id, backend);
+        }
         match answer.usage {
             Reported::Valid(u) => {
                 router.observe_answer(backend, &c.blocks, at.matched_blocks, at.shared_blocks, u);
@@ -340,6 +374,80 @@ async fn attempt(
     }
     backend.stats.responded(answer.status);
     Ok(answer.close_client)
+}
+
+/// The stored response a request continues (`previous_response_id`) or
+/// reads (`/v1/responses/{id}...`), and the backend (URL hash) that stored it.
+struct StoredPin {
+    id: String,
+    backend: u64,
+}
+
+impl StoredPin {
+    /// The engine that stored it and no other: a 404 when it left the
+    /// fleet or is down (its memory went with it), no candidate while it is
+    /// at its in-flight limit (the request queues for it).
+    fn apply(
+        &self,
+        cfg: &Config,
+        routed: &mut Routed,
+        prompt_blocks: u32,
+    ) -> Result<(), RouterError> {
+        let Some(pos) = routed
+            .fleet
+            .backends
+            .iter()
+            .position(|b| b.id_hash == self.backend && b.health.is_healthy())
+        else {
+            return Err(self.gone());
+        };
+        let ch = &mut routed.choice;
+        if !routed.fleet.backends[pos].has_room(cfg.limits.max_in_flight_per_backend) {
+            ch.len = 0;
+            return Ok(());
+        }
+        if ch.first() != Some(pos) {
+            ch.matched_blocks = 0;
+            ch.shared_blocks = 0;
+            ch.prefill_blocks = prompt_blocks;
+        }
+        ch.candidates[0] = pos as u16;
+        ch.len = 1;
+        ch.decision = Decision::Stored;
+        Ok(())
+    }
+
+    fn gone(&self) -> RouterError {
+        not_stored(&self.id, "the engine that stored it is gone")
+    }
+}
+
+/// OpenAI's answer for an id no engine here holds.
+fn not_stored(id: &str, why: &str) -> RouterError {
+    RouterError::new(
+        Kind::NotFound,
+        format!("Response with id '{id}' not found: {why}"),
+    )
+}
+
+/// The stored response the request names, if any: by its path
+/// (`path_id`), or by the `previous_response_id` routing just read.
+fn stored_pin(worker: &Worker, path_id: Option<&str>) -> Result<Option<StoredPin>, RouterError> {
+    let id = match path_id {
+        Some(id) => id.to_owned(),
+        None => {
+            let scratch = worker.scratch.borrow();
+            let previous = scratch.canon().previous_response();
+            if previous.is_empty() {
+                return Ok(None);
+            }
+            String::from_utf8_lossy(previous).into_owned()
+        }
+    };
+    match worker.router.stored.backend_of(&id) {
+        Some(backend) => Ok(Some(StoredPin { id, backend })),
+        None => Err(not_stored(&id, "no engine here is known to have stored it")),
+    }
 }
 
 /// How often a request waiting for another's prefill looks again.

@@ -44,7 +44,8 @@ fn a_conversation_as_messages_or_responses_has_the_chats_blocks() {
 
 #[test]
 fn the_next_turn_extends_the_last_ones_blocks() {
-    let turn1 = r#"{"model":"m","max_tokens":8,"system":"S","messages":[{"role":"user","content":"hi"}]}"#;
+    let turn1 =
+        r#"{"model":"m","max_tokens":8,"system":"S","messages":[{"role":"user","content":"hi"}]}"#;
     let turn2 = r#"{"model":"m","max_tokens":8,"system":"S","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"hello"},{"role":"user","content":"more"}]}"#;
     let (a, _, ac) = read(Endpoint::Messages, turn1).unwrap();
     let (b, _, _) = read(Endpoint::Messages, turn2).unwrap();
@@ -108,16 +109,46 @@ fn responses_items_salt_and_stored_state() {
 fn malformed_bodies_are_400s_that_say_why() {
     for (ep, body, why) in [
         (Endpoint::Messages, "{", "not valid"),
-        (Endpoint::Messages, r#"{"model":"m"}"#, "'messages' is required"),
-        (Endpoint::Messages, r#"{"messages":[{"content":"x"}]}"#, "role"),
-        (Endpoint::Messages, r#"{"messages":[{"role":"user","content":7}]}"#, "string or an array"),
-        (Endpoint::Messages, r#"{"messages":[],"messages":[]}"#, "duplicate"),
+        (
+            Endpoint::Messages,
+            r#"{"model":"m"}"#,
+            "'messages' is required",
+        ),
+        (
+            Endpoint::Messages,
+            r#"{"messages":[{"content":"x"}]}"#,
+            "role",
+        ),
+        (
+            Endpoint::Messages,
+            r#"{"messages":[{"role":"user","content":7}]}"#,
+            "string or an array",
+        ),
+        (
+            Endpoint::Messages,
+            r#"{"messages":[],"messages":[]}"#,
+            "duplicate",
+        ),
         (Endpoint::Messages, r#"{"messages":[]} x"#, "trailing"),
-        (Endpoint::Responses, r#"{"model":"m"}"#, "'input' is required"),
-        (Endpoint::Responses, r#"{"input":{"a":1}}"#, "string or an array"),
-        (Endpoint::Responses, r#"{"input":"x","store":"yes"}"#, "boolean"),
+        (
+            Endpoint::Responses,
+            r#"{"model":"m"}"#,
+            "'input' is required",
+        ),
+        (
+            Endpoint::Responses,
+            r#"{"input":{"a":1}}"#,
+            "string or an array",
+        ),
+        (
+            Endpoint::Responses,
+            r#"{"input":"x","store":"yes"}"#,
+            "boolean",
+        ),
     ] {
-        let e = read(ep, body).err().unwrap_or_else(|| panic!("{body} was read"));
+        let e = read(ep, body)
+            .err()
+            .unwrap_or_else(|| panic!("{body} was read"));
         assert_eq!(e.status(), 400, "{body}");
         assert!(e.message.contains(why), "{body}: {}", e.message);
     }
