@@ -142,6 +142,7 @@ pub fn id_in_path(path: &str) -> Option<&str> {
 /// `"id"` key with a string value, within the answer's first bytes (the
 /// response object's own id in a JSON answer; `response.id` in the
 /// `response.created` event that opens a stream).
+#[derive(Default)]
 pub struct IdScanner {
     head: Vec<u8>,
     found: Option<String>,
@@ -150,16 +151,6 @@ pub struct IdScanner {
 
 /// Bytes of an answer looked at for its id.
 const ID_WINDOW: usize = 8192;
-
-impl Default for IdScanner {
-    fn default() -> Self {
-        IdScanner {
-            head: Vec::new(),
-            found: None,
-            done: false,
-        }
-    }
-}
 
 impl IdScanner {
     pub fn feed(&mut self, bytes: &[u8]) {

@@ -69,6 +69,7 @@ fn tools_tool_calls_and_images_take_part_in_the_prefix() {
     let (a, pa, _) = read(Endpoint::Messages, &with(tool_a)).unwrap();
     let (b, pb, _) = read(Endpoint::Messages, &with(tool_b)).unwrap();
     let (n, pn, _) = read(Endpoint::Messages, &with("[]")).unwrap();
+    assert_eq!(n, a);
     assert_eq!(a, b, "tools are not in the text");
     assert_ne!(pa.seed, pb.seed, "other tools, another chain");
     assert_ne!(pa.seed, pn.seed);
