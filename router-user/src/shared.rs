@@ -716,6 +716,9 @@ impl Router {
     /// that name it go there.
     pub fn stored_response(&self, id: &str, backend: &Backend) {
         self.stored.store(id, backend.id_hash);
+        if let Some(r) = &self.replica {
+            r.outbox.stored(backend.id_hash, id);
+        }
     }
 
     /// Records that `backend` was sent the prompt with these block hashes,

@@ -112,6 +112,14 @@ impl Outbox {
         self.push(p);
     }
 
+    /// `backend` stored the response `id`.
+    pub fn stored(&self, backend: u64, id: &str) {
+        let id = id.as_bytes();
+        let mut p = Payload::new(Kind::Stored, 12 + id.len());
+        p.u64(backend).bytes(id);
+        self.push(p);
+    }
+
     /// Request `request` to `backend` ended.
     pub fn done(&self, backend: u64, request: u64) {
         let mut p = Payload::new(Kind::Done, 16);

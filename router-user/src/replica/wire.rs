@@ -18,6 +18,8 @@
 //! - `Load`: count, then (backend, requests in flight, queued prefill
 //!   blocks, answer blocks written since the last load message) for each
 //!   backend this replica has work on; also the heartbeat;
+//! - `Stored`: backend, a response id (length, bytes): the backend stored
+//!   that response (`fleet::stored`);
 //! - `SnapshotRequest`: empty; `SnapshotBlocks`: backend, its capacity, then
 //!   (block, anchor) pairs oldest first; `SnapshotEnd`: backends sent.
 //!
@@ -53,6 +55,7 @@ pub enum Kind {
     SnapshotEnd = 6,
     Prefilled = 7,
     Done = 8,
+    Stored = 9,
 }
 
 impl Kind {
@@ -66,6 +69,7 @@ impl Kind {
             6 => Kind::SnapshotEnd,
             7 => Kind::Prefilled,
             8 => Kind::Done,
+            9 => Kind::Stored,
             _ => return None,
         })
     }
@@ -124,6 +128,13 @@ impl Payload {
 
     pub fn u64(&mut self, x: u64) -> &mut Self {
         self.0.extend_from_slice(&x.to_le_bytes());
+        self
+    }
+
+    /// A length, then the bytes.
+    pub fn bytes(&mut self, b: &[u8]) -> &mut Self {
+        self.u32(b.len() as u32);
+        self.0.extend_from_slice(b);
         self
     }
 
@@ -227,6 +238,10 @@ pub enum Body<'a> {
     SnapshotEnd {
         backends: u32,
     },
+    Stored {
+        backend: u64,
+        id: &'a [u8],
+    },
 }
 
 /// Bytes of one `Load` entry.
@@ -322,6 +337,17 @@ pub fn open<'a>(frame: &'a [u8], key: &Key) -> Result<Message<'a>, WireError> {
             backend: r.u64()?,
             request: r.u64()?,
         },
+        Kind::Stored => {
+            let backend = r.u64()?;
+            let len = r.u32()? as usize;
+            if len > crate::fleet::stored::MAX_ID_BYTES {
+                return Err(WireError::Malformed);
+            }
+            Body::Stored {
+                backend,
+                id: r.take(len)?,
+            }
+        }
     };
     if !r.0.is_empty() {
         return Err(WireError::Malformed);
@@ -417,6 +443,21 @@ mod tests {
             assert_eq!(open(&g, &key()).unwrap_err(), WireError::Unauthenticated);
         }
         assert!(matches!(open(&f[..10], &key()), Err(WireError::Size(10))));
+    }
+
+    #[test]
+    fn a_stored_response_id_reads_back_and_an_overlong_one_is_refused() {
+        let mut p = Payload::new(Kind::Stored, 32);
+        p.u64(7).bytes(b"resp_1");
+        let f = seal(p, 1, 0, &key());
+        match open(&f, &key()).unwrap().body {
+            Body::Stored { backend, id } => assert_eq!((backend, id), (7, &b"resp_1"[..])),
+            other => panic!("{other:?}"),
+        }
+        let mut p = Payload::new(Kind::Stored, 512);
+        p.u64(7).bytes(&[b'x'; 300]);
+        let f = seal(p, 1, 1, &key());
+        assert_eq!(open(&f, &key()).unwrap_err(), WireError::Malformed);
     }
 
     #[test]

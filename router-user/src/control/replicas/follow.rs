@@ -317,6 +317,14 @@ impl Stream {
                 self.loaded = now;
                 return unknown;
             }
+            Body::Stored { backend, id } => {
+                if !self.by_id.contains_key(&backend) {
+                    return true;
+                }
+                if let Ok(id) = std::str::from_utf8(id) {
+                    self.router.stored.store(id, backend);
+                }
+            }
             // Snapshots go to the snapshot socket, not the stream.
             Body::SnapshotRequest | Body::SnapshotBlocks { .. } | Body::SnapshotEnd { .. } => {}
         }
