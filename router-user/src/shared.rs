@@ -209,6 +209,10 @@ pub struct RouteQuery<'a> {
     /// The body was scanned already and its canonical prompt is in the
     /// scratch ([`RouteScratch::restore_scan`]): this is what the scan said.
     pub scanned: Option<Prompt>,
+    /// No prompt, but a JSON body whose `model` picks the backends (a
+    /// `POST` to a path of `routes.extra_allowed`: embeddings, rerank...):
+    /// the least loaded of those that serve it.
+    pub by_model: bool,
 }
 
 /// A body's scan kept across a wait (a request's tokens made off the
@@ -378,12 +382,15 @@ impl Router {
                 scratch.answered = None;
                 scratch.canon.clear();
                 scratch.carry.clear();
+                if query.by_model {
+                    crate::prompt::apis::model_only(query.body, &mut scratch.canon);
+                }
                 (0, None, false)
             }
         };
         let session = query.session.or(user);
         let table = self.models.table();
-        let want = if query.endpoint.is_some() {
+        let want = if query.endpoint.is_some() || !scratch.canon.model().is_empty() {
             table.resolve(scratch.canon.model(), scratch.canon.adapter())?
         } else {
             table.unfiltered()

@@ -220,6 +220,7 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
         session: None,
         tokens: crate::shared::TokensFrom::Here,
         scanned: None,
+        by_model: false,
     };
     let routed = match router.route(&query, &mut scratch, &mut blocks) {
         Ok(r) => r,

@@ -97,6 +97,20 @@ pub fn responses(body: &[u8], canon: &mut Canonical) -> Result<Prompt, RouterErr
     })
 }
 
+/// The `model` of a body routed by its model alone (a path of
+/// `routes.extra_allowed`): none when the body is not a JSON object with
+/// a string `model` (the engine judges the body, not the router).
+pub fn model_only(body: &[u8], canon: &mut Canonical) {
+    #[derive(Deserialize)]
+    struct Model<'a> {
+        #[serde(borrow, default)]
+        model: Option<Cow<'a, str>>,
+    }
+    if let Ok(Model { model: Some(m) }) = serde_json::from_slice::<Model<'_>>(body) {
+        canon.set_fields(m.as_bytes(), b"", b"", false);
+    }
+}
+
 fn invalid(message: impl Into<String>) -> RouterError {
     RouterError::new(Kind::InvalidBody, message)
 }

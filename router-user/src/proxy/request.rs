@@ -501,11 +501,22 @@ fn route_once(
     scanned: Option<Scanned>,
 ) -> Result<Routed, RouterError> {
     let endpoint = api::endpoint(req.head, &c.fwd);
+    let by_model = endpoint.is_none()
+        && req.head.method(&c.fwd) == "POST"
+        && worker
+            .router
+            .config
+            .load()
+            .routes
+            .extra_allowed
+            .iter()
+            .any(|p| p == req.head.path(&c.fwd));
     let ClientConn {
         buf, body, blocks, ..
     } = c;
     let query = RouteQuery {
         endpoint,
+        by_model,
         body: match req.body {
             Body::InBuf { start, end } => &buf[start..end],
             Body::Decoded => body,
@@ -547,6 +558,7 @@ async fn offload_tokens(
             session: None,
             tokens: TokensFrom::Worker(None),
             scanned: None,
+            by_model: false,
         };
         let mut scratch = worker.scratch.borrow_mut();
         let job = worker.router.token_job(&query, &mut scratch);

@@ -549,3 +549,80 @@ fn model_names_are_checked_and_oversized_or_slow_lists_are_warned_about_once() {
     .unwrap();
     assert_eq!(resp.status, 200, "{}", resp.text());
 }
+
+/// A fake engine serving `model` that answers `/v1/embeddings`.
+fn embedding_fake(model: &'static str) -> FakeBackend {
+    FakeBackend::spawn(move |req: &FakeRequest, s: &mut TcpStream| {
+        let json = "content-type: application/json\r\n";
+        match req.target.as_str() {
+            "/v1/models" => respond(
+                s,
+                200,
+                json,
+                format!(r#"{{"object":"list","data":[{{"id":"{model}","object":"model"}}]}}"#)
+                    .as_bytes(),
+            ),
+            "/v1/embeddings" => respond(
+                s,
+                200,
+                json,
+                br#"{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.1]}]}"#,
+            ),
+            _ => respond(s, 404, json, b"{}"),
+        }
+    })
+}
+
+#[test]
+fn paths_added_to_the_allowlist_reach_only_engines_that_serve_their_model() {
+    let small = embedding_fake("embed-small");
+    let large = embedding_fake("embed-large");
+    let urls = [small.url(), large.url()];
+    let r = Router::spawn(
+        &urls,
+        &[],
+        &format!("{FAST_PROBES}[routes]\nextra_allowed = [\"/v1/embeddings\"]\n"),
+    );
+    wait_models(&r, &["embed-large", "embed-small"]);
+    let embeddings = |f: &FakeBackend| {
+        f.log()
+            .iter()
+            .filter(|q| q.target == "/v1/embeddings")
+            .count()
+    };
+    for i in 0..10 {
+        let model = if i % 2 == 0 {
+            "embed-small"
+        } else {
+            "embed-large"
+        };
+        let resp = post_json(
+            r.addr,
+            "/v1/embeddings",
+            &json!({"model": model, "input": format!("text {i}")}),
+        )
+        .expect("embeddings");
+        assert_eq!(resp.status, 200, "{}", resp.text());
+    }
+    assert_eq!((embeddings(&small), embeddings(&large)), (5, 5));
+    // A model nobody serves: the router's 404, no engine asked.
+    let resp = post_json(
+        r.addr,
+        "/v1/embeddings",
+        &json!({"model": "embed-none", "input": "x"}),
+    )
+    .expect("embeddings");
+    assert_eq!(resp.status, 404, "{}", resp.text());
+    assert_eq!(resp.json()["error"]["code"], "model_not_found");
+    // A body that is not JSON (an upload) goes through to some engine.
+    let resp = request(
+        r.addr,
+        "POST",
+        "/v1/embeddings",
+        &[("content-type", "application/octet-stream")],
+        b"\x00\x01binary",
+    )
+    .expect("raw body");
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert_eq!(embeddings(&small) + embeddings(&large), 11);
+}
