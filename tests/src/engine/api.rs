@@ -1,12 +1,16 @@
 //! The OpenAI-compatible (and SGLang `/generate`) request parsing and
 //! response rendering. Requests are parsed from borrowed JSON; responses are
-//! written straight into byte buffers.
+//! written straight into byte buffers. Anthropic's Messages and OpenAI's
+//! Responses have modules of their own ([`super::messages`],
+//! [`super::responses`]); [`Responder`] renders every endpoint's answer.
 //!
 //! Completions `prompt` may be a string, token ids, or a one-element array of
 //! either; larger batches are rejected with 400 (send one prompt per request).
 
+use super::conversation::{ChatMessage, Conversation, Tool, ToolCall};
 use super::output_text;
 use super::tokenize::{self, Token};
+use super::{messages, responses};
 use serde::Deserialize;
 use std::borrow::Cow;
 use std::io::Write;
@@ -20,6 +24,10 @@ pub enum ApiKind {
     Completion,
     /// SGLang's `POST /generate`
     Generate,
+    /// Anthropic's `POST /v1/messages`
+    Messages,
+    /// OpenAI's `POST /v1/responses`
+    Responses,
 }
 
 /// A parsed inference request.
@@ -53,6 +61,15 @@ impl ApiError {
             kind: "BadRequestError",
             message: message.into(),
             param: None,
+        }
+    }
+
+    /// The body in the shape of the endpoint it answers: Anthropic's for
+    /// `/v1/messages`, OpenAI's for the others.
+    pub fn body_for(&self, kind: ApiKind) -> Vec<u8> {
+        match kind {
+            ApiKind::Messages => messages::error_body(self),
+            _ => self.body(),
         }
     }
 
@@ -90,6 +107,40 @@ struct Message<'a> {
     role: Cow<'a, str>,
     #[serde(borrow, default)]
     content: Option<Content<'a>>,
+    #[serde(default)]
+    tool_calls: Option<Vec<ChatToolCall>>,
+    #[serde(default)]
+    tool_call_id: Option<String>,
+}
+
+/// An assistant message's `tool_calls` entry.
+#[derive(Deserialize)]
+struct ChatToolCall {
+    #[serde(default)]
+    id: String,
+    function: ChatFunction,
+}
+
+#[derive(Deserialize)]
+struct ChatFunction {
+    name: String,
+    #[serde(default)]
+    arguments: String,
+}
+
+/// A `tools` entry: `{"type":"function","function":{...}}`.
+#[derive(Deserialize)]
+struct ChatTool {
+    function: ChatToolSpec,
+}
+
+#[derive(Deserialize)]
+struct ChatToolSpec {
+    name: String,
+    #[serde(default)]
+    description: Option<String>,
+    #[serde(default)]
+    parameters: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
@@ -119,6 +170,8 @@ struct OpenAiRequest<'a> {
     stream_options: Option<StreamOptions>,
     #[serde(default)]
     cache_salt: Option<String>,
+    #[serde(default)]
+    tools: Option<Vec<ChatTool>>,
 }
 
 #[derive(Deserialize)]
@@ -159,7 +212,7 @@ fn text_tokens(s: &str) -> Result<Vec<Token>, ApiError> {
     }
 }
 
-fn max_tokens(v: Option<i64>, default: u32) -> Result<u32, ApiError> {
+pub(super) fn max_tokens(v: Option<i64>, default: u32) -> Result<u32, ApiError> {
     match v {
         None => Ok(default),
         Some(n) if n >= 1 => Ok(n.min(i64::from(u32::MAX)) as u32),
@@ -170,7 +223,7 @@ fn max_tokens(v: Option<i64>, default: u32) -> Result<u32, ApiError> {
 }
 
 /// The served model a request names (the first when it names none), or 404.
-fn model_index(name: Option<&str>, models: &[String]) -> Result<usize, ApiError> {
+pub(super) fn model_index(name: Option<&str>, models: &[String]) -> Result<usize, ApiError> {
     match name {
         None => Ok(0),
         Some(m) => models.iter().position(|x| x == m).ok_or_else(|| ApiError {
@@ -185,40 +238,57 @@ fn model_index(name: Option<&str>, models: &[String]) -> Result<usize, ApiError>
 /// The prompt tokens of a chat: the messages rendered with the chat
 /// template, then (when asked) the generation prompt. The chat endpoint,
 /// `/tokenize` and `/v1/chat/completions/render` all go through here, so
-/// they always agree.
-fn chat_tokens(msgs: &[Message<'_>], add_generation_prompt: bool) -> Result<Vec<Token>, ApiError> {
-    let contents: Vec<Cow<'_, str>> = msgs
-        .iter()
-        .map(|m| match &m.content {
-            None => Cow::Borrowed(""),
-            Some(Content::Text(s)) => Cow::Borrowed(&**s),
-            Some(Content::Parts(parts)) => Cow::Owned(
-                parts
-                    .iter()
-                    .filter_map(|p| p.text.as_deref())
-                    .collect::<Vec<_>>()
-                    .join("\n"),
-            ),
-        })
-        .collect();
-    if let Some(model) = tokenize::model() {
-        let pairs: Vec<(&str, &str)> = msgs
-            .iter()
-            .zip(&contents)
-            .map(|(m, c)| (&*m.role, &**c))
-            .collect();
-        return model
-            .chat(&pairs, add_generation_prompt)
-            .map_err(ApiError::bad_request);
+/// they always agree; Messages and Responses requests render through the
+/// same [`Conversation`].
+fn chat_tokens(
+    msgs: Vec<Message<'_>>,
+    tools: Option<Vec<ChatTool>>,
+    add_generation_prompt: bool,
+) -> Result<Vec<Token>, ApiError> {
+    let conv = Conversation {
+        messages: msgs.into_iter().map(chat_message).collect(),
+        tools: tools
+            .unwrap_or_default()
+            .into_iter()
+            .map(|t| Tool {
+                name: t.function.name,
+                description: t.function.description,
+                parameters: t.function.parameters.unwrap_or(serde_json::Value::Null),
+            })
+            .collect(),
+    };
+    conv.tokens(add_generation_prompt)
+        .map_err(ApiError::bad_request)
+}
+
+/// A chat completions message as the template sees it.
+fn chat_message(m: Message<'_>) -> ChatMessage<'_> {
+    let content = match m.content {
+        None => Cow::Borrowed(""),
+        Some(Content::Text(s)) => s,
+        Some(Content::Parts(parts)) => Cow::Owned(join_text(parts.iter().filter_map(|p| p.text.as_deref()))),
+    };
+    ChatMessage {
+        role: m.role,
+        content,
+        tool_calls: m
+            .tool_calls
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| ToolCall {
+                id: c.id,
+                name: c.function.name,
+                arguments: c.function.arguments,
+            })
+            .collect(),
+        tool_call_id: m.tool_call_id,
     }
-    let mut text = String::new();
-    for (m, content) in msgs.iter().zip(&contents) {
-        tokenize::render_message(&mut text, &m.role, content);
-    }
-    if add_generation_prompt {
-        text.push_str(tokenize::GENERATION_PROMPT);
-    }
-    Ok(tokenize::tokenize(&text))
+}
+
+/// Text parts joined as vLLM joins them for a template that takes a
+/// string content: with `\n`.
+pub(super) fn join_text<'a>(parts: impl Iterator<Item = &'a str>) -> String {
+    parts.collect::<Vec<_>>().join("\n")
 }
 
 #[derive(Deserialize)]
@@ -231,6 +301,8 @@ struct TokenizeRequest<'a> {
     messages: Option<Vec<Message<'a>>>,
     #[serde(default)]
     add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    tools: Option<Vec<ChatTool>>,
 }
 
 /// vLLM's `POST /tokenize`: `{"prompt": ...}` or `{"messages": [...],
@@ -240,7 +312,7 @@ pub fn parse_tokenize(body: &[u8], models: &[String]) -> Result<(usize, Vec<Toke
         .map_err(|e| ApiError::bad_request(format!("Invalid request body: {e}")))?;
     let model = model_index(r.model.as_deref(), models)?;
     let tokens = match (r.messages, r.prompt) {
-        (Some(msgs), _) => chat_tokens(&msgs, r.add_generation_prompt.unwrap_or(true))?,
+        (Some(msgs), _) => chat_tokens(msgs, r.tools, r.add_generation_prompt.unwrap_or(true))?,
         (None, Some(p)) => prompt_tokens(p)?,
         (None, None) => {
             return Err(ApiError::bad_request(
@@ -328,7 +400,7 @@ pub fn parse(
         let msgs = r
             .messages
             .ok_or_else(|| ApiError::bad_request("Field required: messages"))?;
-        chat_tokens(&msgs, true)?
+        chat_tokens(msgs, r.tools, true)?
     } else {
         prompt_tokens(
             r.prompt
@@ -365,6 +437,8 @@ pub struct Responder<'a> {
     pub max_tokens: u32,
     /// Fault: written in place of the cached-token count.
     pub bad_cached: Option<&'a str>,
+    /// A Responses answer's request context.
+    pub ctx: Option<&'a std::sync::Arc<responses::Ctx>>,
 }
 
 impl Responder<'_> {
@@ -391,7 +465,8 @@ impl Responder<'_> {
         );
     }
 
-    fn text(&self, from: u32, to: u32) -> String {
+    /// The generated text of tokens `from..to`.
+    pub(super) fn text(&self, from: u32, to: u32) -> String {
         let mut s = String::with_capacity(4 * (to - from) as usize);
         output_text::push_text(&mut s, self.digest, from, to);
         s
@@ -426,12 +501,14 @@ impl Responder<'_> {
                 self.meta_info(&mut o, n, cached, true);
                 o.push(b'}');
             }
+            ApiKind::Messages => return self.messages_body(cached),
+            ApiKind::Responses => return self.responses_body(cached),
         }
         o
     }
 
     /// The cached-token count as written: the true one, or the fault's.
-    fn cached(&self, cached: u32) -> String {
+    pub(super) fn cached(&self, cached: u32) -> String {
         self.bad_cached
             .map_or_else(|| cached.to_string(), str::to_owned)
     }
@@ -455,6 +532,23 @@ impl Responder<'_> {
     /// chat role event first when `from == 0`) to `events`, each closed by a
     /// blank line. `cached` is reported by SGLang-shaped events.
     pub fn token_events(&self, events: &mut Vec<Vec<u8>>, from: u32, to: u32, cached: u32) {
+        if matches!(self.kind, ApiKind::Messages | ApiKind::Responses) {
+            if from == 0 && to > 0 {
+                if self.kind == ApiKind::Messages {
+                    self.messages_start_events(events);
+                } else {
+                    self.responses_start_events(events);
+                }
+            }
+            events.extend((from..to).map(|i| {
+                if self.kind == ApiKind::Messages {
+                    self.messages_delta_event(i)
+                } else {
+                    self.responses_delta_event(i)
+                }
+            }));
+            return;
+        }
         if from == 0 && to > 0 && self.kind == ApiKind::Chat {
             let mut e = b"data: ".to_vec();
             self.object_head(&mut e, "chat.completion.chunk");
@@ -489,14 +583,21 @@ impl Responder<'_> {
                     self.meta_info(&mut e, i + 1, cached, last);
                     e.push(b'}');
                 }
+                ApiKind::Messages | ApiKind::Responses => unreachable!("rendered above"),
             }
             e.extend_from_slice(b"\n\n");
             events.push(e);
         }
     }
 
-    /// The final events: the usage chunk (if asked for) and `[DONE]`.
+    /// The final events: the usage chunk (if asked for) and `[DONE]`;
+    /// Messages and Responses close their streams with their own events.
     pub fn final_events(&self, events: &mut Vec<Vec<u8>>, include_usage: bool, cached: u32) {
+        match self.kind {
+            ApiKind::Messages => return self.messages_final_events(events, cached),
+            ApiKind::Responses => return self.responses_final_events(events, cached),
+            _ => {}
+        }
         if include_usage && self.kind != ApiKind::Generate {
             let mut e = b"data: ".to_vec();
             let obj = if self.kind == ApiKind::Chat {

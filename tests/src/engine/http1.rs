@@ -19,6 +19,8 @@ pub struct Request {
     pub method: String,
     /// Path without the query string.
     pub path: String,
+    /// The query string (after `?`), empty when there is none.
+    pub query: String,
     pub keep_alive: bool,
     pub body: Vec<u8>,
 }
@@ -43,8 +45,9 @@ pub async fn read_request<S: AsyncRead + AsyncWrite + Unpin>(
         match req.parse(buf) {
             Ok(httparse::Status::Complete(head_len)) => {
                 let method = req.method.unwrap_or("").to_string();
-                let path = req.path.unwrap_or("/");
-                let path = path.split('?').next().unwrap_or("/").to_string();
+                let target = req.path.unwrap_or("/");
+                let (path, query) = target.split_once('?').unwrap_or((target, ""));
+                let (path, query) = (path.to_string(), query.to_string());
                 let http10 = req.version == Some(0);
                 let mut keep_alive = !http10;
                 let mut content_length = None;
@@ -92,6 +95,7 @@ pub async fn read_request<S: AsyncRead + AsyncWrite + Unpin>(
                 return Ok(Some(Request {
                     method,
                     path,
+                    query,
                     keep_alive,
                     body,
                 }));

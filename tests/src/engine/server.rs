@@ -2,13 +2,14 @@
 //! response streaming. Engine state sits behind one mutex that is never held
 //! across an await.
 
-use super::api::{self, ApiError, ApiKind, Responder};
+use super::api::{self, ApiError, ApiKind, Job, Responder};
 use super::block_hash::{PromptBlocks, chain_seed, salted_seed};
 use super::config::EngineArgs;
 use super::core::{Engine, Progress};
 use super::faults::FaultUpdate;
 use super::http1::{self, ReadError, Request};
-use super::scheduler;
+use super::responses::{self, Ctx, Outcome};
+use super::{messages, scheduler};
 use bytes::BytesMut;
 use std::io::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,6 +27,14 @@ struct StreamHow {
     include_usage: bool,
     drop_at: Option<u32>,
     keep_alive: bool,
+}
+
+/// What the engine runs for a request.
+struct Run {
+    prompt: PromptBlocks,
+    /// The prompt's tokens while KV events are published, else empty.
+    tokens: Vec<super::tokenize::Token>,
+    salt: Option<Vec<u8>>,
 }
 
 /// Everything the connection tasks share.
@@ -49,6 +58,8 @@ struct Server {
     next_id: AtomicU64,
     /// KV events are published: requests keep their tokens for them.
     kv_events: bool,
+    /// Responses stored for `previous_response_id` and retrieval.
+    responses: responses::Store,
 }
 
 type Conn = TcpStream;
@@ -139,6 +150,7 @@ async fn serve_on(listener: TcpListener, args: EngineArgs) -> anyhow::Result<()>
         zero_cost,
         next_id: AtomicU64::new(0),
         kv_events: publishing,
+        responses: responses::Store::default(),
         args,
     });
     tracing::info!(%addr, id = %srv.engine_id, zero_cost, models = ?srv.names, "sim-engine ready");
@@ -213,7 +225,7 @@ struct Dropped;
 impl Server {
     /// Serves one request; `Ok(keep_alive)`.
     async fn handle(
-        &self,
+        self: &Arc<Self>,
         s: &mut Conn,
         buf: &mut BytesMut,
         out: &mut Vec<u8>,
@@ -235,6 +247,21 @@ impl Server {
                 return self
                     .infer(s, buf, out, ApiKind::Generate, &req.body, ka)
                     .await;
+            }
+            ("POST", "/v1/messages") => {
+                return self
+                    .infer(s, buf, out, ApiKind::Messages, &req.body, ka)
+                    .await;
+            }
+            ("POST", "/v1/responses") => {
+                return self
+                    .infer(s, buf, out, ApiKind::Responses, &req.body, ka)
+                    .await;
+            }
+            (method, path) if path.starts_with("/v1/responses/") => {
+                let rest = &path["/v1/responses/".len()..];
+                let (status, body) = self.stored_response(method, rest, &req.query);
+                http1::write_full(s, out, status, json, &body, id, ka).await
             }
             ("POST", "/tokenize") => {
                 let (status, body) = match api::parse_tokenize(&req.body, &self.names) {
@@ -307,6 +334,8 @@ impl Server {
                 "/v1/chat/completions"
                 | "/v1/completions"
                 | "/generate"
+                | "/v1/messages"
+                | "/v1/responses"
                 | "/health"
                 | "/v1/models"
                 | "/metrics"
@@ -398,10 +427,31 @@ impl Server {
         );
     }
 
+    /// `/v1/responses/{id}` (`GET`), `/v1/responses/{id}/cancel` (`POST`)
+    /// and `/v1/responses/{id}/input_items` (`GET`), with `rest` the path
+    /// after `/v1/responses/`. `(status, body)`.
+    fn stored_response(&self, method: &str, rest: &str, query: &str) -> (u16, Vec<u8>) {
+        let (id, action) = rest.split_once('/').unwrap_or((rest, ""));
+        let answer = match (method, action) {
+            ("GET", "") => self.responses.retrieve(id),
+            ("POST", "cancel") => self.responses.cancel(id),
+            ("GET", "input_items") => self.responses.input_items(id, query),
+            (_, "" | "cancel" | "input_items") => {
+                return (405, br#"{"detail":"Method Not Allowed"}"#.to_vec());
+            }
+            _ => return (404, br#"{"detail":"Not Found"}"#.to_vec()),
+        };
+        match answer {
+            Ok(body) => (200, body),
+            Err(e) => (e.status, e.body()),
+        }
+    }
+
     async fn error(
         &self,
         s: &mut Conn,
         out: &mut Vec<u8>,
+        kind: ApiKind,
         e: ApiError,
         ka: bool,
     ) -> Result<bool, Dropped> {
@@ -410,7 +460,7 @@ impl Server {
             out,
             e.status,
             "application/json",
-            &e.body(),
+            &e.body_for(kind),
             &self.engine_id,
             ka,
         )
@@ -419,8 +469,32 @@ impl Server {
         .map_err(|_| Dropped)
     }
 
+    /// Parses an inference request of endpoint `kind`: its job, and a
+    /// Responses request's context.
+    fn parse(&self, kind: ApiKind, body: &[u8]) -> Result<(Job, Option<Arc<Ctx>>), ApiError> {
+        let default_max = self.args.default_max_tokens;
+        match kind {
+            ApiKind::Messages => Ok((messages::parse(body, &self.names)?, None)),
+            ApiKind::Responses => {
+                let (job, ctx) = responses::parse(body, &self.names, default_max, &self.responses)?;
+                Ok((job, Some(Arc::new(ctx))))
+            }
+            _ => Ok((api::parse(kind, body, &self.names, default_max)?, None)),
+        }
+    }
+
+    /// Stores a finished Responses answer (when its request asked to be
+    /// stored), before its last bytes go out: a client may name it in its
+    /// next request at once.
+    fn finished(&self, resp: &Responder<'_>, cached: u32) {
+        if let Some(ctx) = resp.ctx.filter(|c| c.store) {
+            self.responses
+                .put(ctx.clone(), resp.responses_outcome(cached));
+        }
+    }
+
     async fn infer(
-        &self,
+        self: &Arc<Self>,
         s: &mut Conn,
         buf: &mut BytesMut,
         out: &mut Vec<u8>,
@@ -429,13 +503,13 @@ impl Server {
         ka: bool,
     ) -> Result<bool, Dropped> {
         let arrival = Instant::now();
-        let job = match api::parse(kind, body, &self.names, self.args.default_max_tokens) {
+        let (job, ctx) = match self.parse(kind, body) {
             Ok(j) => j,
             Err(e) => {
-                if e.status == 404 {
+                if e.status == 404 && e.param == Some("model") {
                     self.unknown_model_requests.fetch_add(1, Ordering::Relaxed);
                 }
-                return self.error(s, out, e, ka).await;
+                return self.error(s, out, kind, e, ka).await;
             }
         };
         self.model_requests[job.model].fetch_add(1, Ordering::Relaxed);
@@ -459,13 +533,13 @@ impl Server {
                 message: "simulated failure (--fail-rate)".into(),
                 param: None,
             };
-            return self.error(s, out, e, ka).await;
+            return self.error(s, out, kind, e, ka).await;
         }
         let n = job.tokens.len();
         let total = n + job.max_tokens as usize;
         if n == 0 {
             return self
-                .error(s, out, ApiError::bad_request("The prompt is empty."), ka)
+                .error(s, out, kind, ApiError::bad_request("The prompt is empty."), ka)
                 .await;
         }
         let limit = self
@@ -477,7 +551,7 @@ impl Server {
                 "This model's maximum context length is {limit} tokens. However, you requested {total} tokens ({n} in the messages, {} in the completion). Please reduce the length of the messages or completion.",
                 job.max_tokens
             );
-            return self.error(s, out, ApiError::bad_request(msg), ka).await;
+            return self.error(s, out, kind, ApiError::bad_request(msg), ka).await;
         }
         let seed = match &job.cache_salt {
             Some(salt) => salted_seed(self.model_seeds[job.model], salt),
@@ -499,7 +573,16 @@ impl Server {
             prompt_tokens: n,
             max_tokens: job.max_tokens,
             bad_cached: bad_cached.as_deref(),
+            ctx: ctx.as_ref(),
         };
+        if ctx.as_ref().is_some_and(|c| c.background) {
+            let run = Run {
+                prompt,
+                tokens,
+                salt,
+            };
+            return self.background(s, out, &resp, run, ka).await;
+        }
         let drop_at = drop_mid.then_some(job.max_tokens / 2);
         if self.zero_cost {
             let cached = self.engine.lock().expect("engine lock").run_now_tokens(
@@ -515,8 +598,11 @@ impl Server {
                     message: "KV cache full".into(),
                     param: None,
                 };
-                return self.error(s, out, e, ka).await;
+                return self.error(s, out, kind, e, ka).await;
             };
+            if drop_at.is_none() {
+                self.finished(&resp, cached);
+            }
             out.clear();
             if job.stream {
                 http1::head(out, 200, "text/event-stream", None, &self.engine_id, ka);
@@ -567,6 +653,9 @@ impl Server {
                 last = next_progress(s, buf, &mut rx).await.ok_or(Dropped)?;
             }
             drop(rx);
+            if drop_at.is_none() {
+                self.finished(&resp, last.cached_tokens);
+            }
             out.clear();
             self.json_answer(
                 out,
@@ -581,6 +670,69 @@ impl Server {
                 Ok(ka)
             }
         }
+    }
+
+    /// A background Responses request: stored `queued` and answered at
+    /// once, then run on a task of its own (the connection may close),
+    /// stored again when done; a cancel aborts the task, which aborts the
+    /// request in the engine.
+    async fn background(
+        self: &Arc<Self>,
+        s: &mut Conn,
+        out: &mut Vec<u8>,
+        resp: &Responder<'_>,
+        run: Run,
+        ka: bool,
+    ) -> Result<bool, Dropped> {
+        let ctx = resp.ctx.expect("a background request has its context").clone();
+        let queued = Outcome::queued();
+        let mut body = Vec::with_capacity(2048);
+        ctx.render(&mut body, &queued);
+        self.responses.put(ctx.clone(), queued);
+        let (digest, n, max_tokens) = (resp.digest, resp.prompt_tokens, resp.max_tokens);
+        let bad_cached = resp.bad_cached.map(str::to_owned);
+        let srv = self.clone();
+        let id = ctx.id.clone();
+        let task = tokio::spawn(async move {
+            let cached = if srv.zero_cost {
+                srv.engine.lock().expect("engine lock").run_now_tokens(
+                    &run.prompt,
+                    &run.tokens,
+                    run.salt.as_deref(),
+                    max_tokens,
+                )
+            } else {
+                let mut rx = srv.engine.lock().expect("engine lock").submit_tokens(
+                    run.prompt,
+                    run.tokens,
+                    run.salt,
+                    max_tokens,
+                    Instant::now(),
+                );
+                srv.wake.notify_one();
+                let mut done = None;
+                while let Some(p) = rx.recv().await {
+                    if p.done {
+                        done = Some(p.cached_tokens);
+                        break;
+                    }
+                }
+                done
+            };
+            let outcome = match cached {
+                Some(c) => {
+                    let written = bad_cached.unwrap_or_else(|| c.to_string());
+                    Outcome::finished(digest, n, max_tokens, written)
+                }
+                None => Outcome::failed(),
+            };
+            srv.responses.put(ctx, outcome);
+        });
+        self.responses.set_task(&id, task.abort_handle());
+        http1::write_full(s, out, 200, "application/json", &body, &self.engine_id, ka)
+            .await
+            .map(|_| ka)
+            .map_err(|_| Dropped)
     }
 
     async fn stream(
@@ -610,6 +762,7 @@ impl Server {
             sent = upto;
             let dropping = drop_at.is_some_and(|d| p.generated >= d);
             if p.done && !dropping {
+                self.finished(resp, p.cached_tokens);
                 resp.final_events(&mut events, include_usage, p.cached_tokens);
             }
             out.clear();

@@ -156,17 +156,32 @@ impl Model {
             .iter()
             .map(|(r, c)| minijinja::context! { role => r, content => c })
             .collect();
+        self.render_chat(msgs, None, add_generation_prompt)
+    }
+
+    /// The tokens of a chat whose messages are given as template values,
+    /// rendered whole; `tools` is in the template's context only when given
+    /// (as vLLM leaves it out of chats that declare none).
+    pub fn render_chat(
+        &self,
+        messages: Vec<minijinja::Value>,
+        tools: Option<minijinja::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<Token>, String> {
+        let base = minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => &self.bos,
+            eos_token => &self.eos,
+        };
+        let ctx = match tools {
+            Some(tools) => minijinja::context! { tools => tools, ..base },
+            None => base,
+        };
         let text = self
             .env
             .get_template("chat")
-            .and_then(|t| {
-                t.render(minijinja::context! {
-                    messages => msgs,
-                    add_generation_prompt => add_generation_prompt,
-                    bos_token => &self.bos,
-                    eos_token => &self.eos,
-                })
-            })
+            .and_then(|t| t.render(ctx))
             .map_err(|e| format!("chat template: {e}"))?;
         self.encode(&text, false)
     }
