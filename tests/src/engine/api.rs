@@ -266,7 +266,9 @@ fn chat_message(m: Message<'_>) -> ChatMessage<'_> {
     let content = match m.content {
         None => Cow::Borrowed(""),
         Some(Content::Text(s)) => s,
-        Some(Content::Parts(parts)) => Cow::Owned(join_text(parts.iter().filter_map(|p| p.text.as_deref()))),
+        Some(Content::Parts(parts)) => {
+            Cow::Owned(join_text(parts.iter().filter_map(|p| p.text.as_deref())))
+        }
     };
     ChatMessage {
         role: m.role,

@@ -83,7 +83,8 @@ impl<'a> ChatMessage<'a> {
 impl ToolCall {
     /// The arguments as a JSON value (a text that is not JSON stays text).
     fn arguments_value(&self) -> Value {
-        serde_json::from_str(&self.arguments).unwrap_or_else(|_| Value::String(self.arguments.clone()))
+        serde_json::from_str(&self.arguments)
+            .unwrap_or_else(|_| Value::String(self.arguments.clone()))
     }
 }
 

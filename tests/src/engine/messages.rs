@@ -116,8 +116,7 @@ pub fn parse(body: &[u8], models: &[String]) -> Result<Job, ApiError> {
             "messages must contain at least one item",
         ));
     }
-    if r
-        .messages
+    if r.messages
         .iter()
         .any(|m| matches!(&m.content, Content::Blocks(b) if b.is_empty()))
     {
@@ -221,10 +220,7 @@ fn push_blocks<'a>(out: &mut Vec<ChatMessage<'a>>, role: Cow<'a, str>, blocks: V
             "tool_use" => tool_calls.push(ToolCall {
                 id: b.id.unwrap_or_default(),
                 name: b.name.unwrap_or_default(),
-                arguments: b
-                    .input
-                    .unwrap_or_else(|| json!({}))
-                    .to_string(),
+                arguments: b.input.unwrap_or_else(|| json!({})).to_string(),
             }),
             "tool_result" if role == "user" => {
                 let (text, images) = tool_result_text(b.content.as_ref());

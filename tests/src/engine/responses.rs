@@ -295,7 +295,9 @@ pub fn parse(
     let input_items = match &r.input {
         Value::String(s) => {
             messages.push(ChatMessage::text("user", s.clone()));
-            vec![json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": s}]})]
+            vec![
+                json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": s}]}),
+            ]
         }
         Value::Array(items) => {
             push_items(&mut messages, items)?;
@@ -462,10 +464,7 @@ fn push_items(out: &mut Vec<ChatMessage<'static>>, items: &[Value]) -> Result<()
                 open_assistant = false;
             }
             _ => {
-                return Err(invalid(
-                    format!("unsupported input item: {item}"),
-                    "input",
-                ));
+                return Err(invalid(format!("unsupported input item: {item}"), "input"));
             }
         }
     }

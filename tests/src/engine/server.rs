@@ -539,7 +539,13 @@ impl Server {
         let total = n + job.max_tokens as usize;
         if n == 0 {
             return self
-                .error(s, out, kind, ApiError::bad_request("The prompt is empty."), ka)
+                .error(
+                    s,
+                    out,
+                    kind,
+                    ApiError::bad_request("The prompt is empty."),
+                    ka,
+                )
                 .await;
         }
         let limit = self
@@ -551,7 +557,9 @@ impl Server {
                 "This model's maximum context length is {limit} tokens. However, you requested {total} tokens ({n} in the messages, {} in the completion). Please reduce the length of the messages or completion.",
                 job.max_tokens
             );
-            return self.error(s, out, kind, ApiError::bad_request(msg), ka).await;
+            return self
+                .error(s, out, kind, ApiError::bad_request(msg), ka)
+                .await;
         }
         let seed = match &job.cache_salt {
             Some(salt) => salted_seed(self.model_seeds[job.model], salt),
@@ -684,7 +692,10 @@ impl Server {
         run: Run,
         ka: bool,
     ) -> Result<bool, Dropped> {
-        let ctx = resp.ctx.expect("a background request has its context").clone();
+        let ctx = resp
+            .ctx
+            .expect("a background request has its context")
+            .clone();
         let queued = Outcome::queued();
         let mut body = Vec::with_capacity(2048);
         ctx.render(&mut body, &queued);
