@@ -50,6 +50,27 @@ impl Response {
             .map(str::to_string)
             .collect()
     }
+
+    /// The body's SSE events with their names: `(event, data)`, `event`
+    /// empty for an event without an `event:` line.
+    pub fn sse_events(&self) -> Vec<(String, String)> {
+        self.text()
+            .split("\n\n")
+            .filter(|e| !e.trim().is_empty())
+            .map(|e| {
+                let mut name = String::new();
+                let mut data = String::new();
+                for line in e.lines() {
+                    if let Some(n) = line.strip_prefix("event: ") {
+                        name = n.to_string();
+                    } else if let Some(d) = line.strip_prefix("data: ") {
+                        data = d.to_string();
+                    }
+                }
+                (name, data)
+            })
+            .collect()
+    }
 }
 
 /// One chunk of a chunked body and when it was read.

