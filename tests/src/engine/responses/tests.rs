@@ -1,5 +1,6 @@
 use super::*;
-use crate::engine::api::parse as parse_openai;
+use crate::engine::api::{Responder, parse as parse_openai};
+use std::sync::Arc;
 
 fn models() -> Vec<String> {
     vec!["m".to_string()]
