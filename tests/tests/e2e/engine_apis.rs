@@ -177,7 +177,26 @@ fn every_responses_call_of_the_openai_sdk_succeeds() {
 /// first one's blocks in the cache.
 #[test]
 fn the_same_conversation_is_the_same_prompt_on_every_api() {
-    let e = SimEngine::spawn(&["--time-scale", "0"]);
+    same_prompt_on_every_api(&SimEngine::spawn(&["--time-scale", "0"]));
+}
+
+/// [`the_same_conversation_is_the_same_prompt_on_every_api`] on an engine
+/// rendering with a model's own tokenizer and chat template.
+#[test]
+fn with_a_models_own_template_too() {
+    let dir = std::env::temp_dir().join(format!("prefix-router-apis-tok-{}", std::process::id()));
+    testkit::tokenizer_fixture::write(&dir).expect("fixture tokenizer");
+    let dir_arg = dir.to_str().unwrap();
+    same_prompt_on_every_api(&SimEngine::spawn(&[
+        "--time-scale",
+        "0",
+        "--tokenizer-dir",
+        dir_arg,
+    ]));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn same_prompt_on_every_api(e: &SimEngine) {
     let system = "You answer questions about trains in Europe, briefly. ".repeat(4);
     let chat = post_json(
         e.addr,
