@@ -19,7 +19,8 @@
 //! `cache_creation_input_tokens` (0: vLLM counts only reads) and
 //! `cache_read_input_tokens`. Streams are SSE with named events:
 //! `message_start` (usage: the whole prompt as input, 0 output),
-//! `ping`, `content_block_start`, one `content_block_delta` (`text_delta`)
+//! `ping` (Anthropic's API sends one; vLLM does not: what passes streams
+//! through must let it by), `content_block_start`, one `content_block_delta` (`text_delta`)
 //! per token, `content_block_stop`, `message_delta` (`stop_reason` and the
 //! final usage), `message_stop`. Errors are `{"type":"error","error":
 //! {"type","message"}}` with Anthropic's type for the status.

@@ -43,7 +43,10 @@
 //! Cancelling answers the cancelled response while it is queued or in
 //! progress, else 400 `Cannot cancel a synchronous response.`, as vLLM.
 //! `GET /v1/responses/{id}/input_items` (which vLLM does not serve) lists
-//! the request's input items as OpenAI does.
+//! the request's input items as OpenAI does; `DELETE` is a 405, as on
+//! vLLM. Not simulated: streaming a background response (a 400 here),
+//! resuming a stream (`GET ...?stream=true`), reasoning items (accepted,
+//! not rendered), `include`, `text.format`, `truncation`.
 
 use super::api::{self, ApiError, ApiKind, Job};
 use super::conversation::{ChatMessage, Conversation, Tool, ToolCall};
@@ -136,14 +139,14 @@ struct Echo {
     user: String,
 }
 
-/// A response's state: `queued` (background, not done), then `completed`
-/// or `incomplete`, or `cancelled`, or `failed` (a background run the
-/// engine could not finish).
+/// A response's state: `queued` (background, not done) or `in_progress`
+/// (streaming), then `incomplete` (every simulated generation ends at its
+/// token limit), `cancelled`, or `failed` (a background run the engine
+/// could not finish).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Status {
     Queued,
     InProgress,
-    Completed,
     Incomplete,
     Cancelled,
     Failed,
@@ -154,7 +157,6 @@ impl Status {
         match self {
             Status::Queued => "queued",
             Status::InProgress => "in_progress",
-            Status::Completed => "completed",
             Status::Incomplete => "incomplete",
             Status::Cancelled => "cancelled",
             Status::Failed => "failed",
