@@ -11,6 +11,7 @@ mod engine_peer_api;
 mod engine_timing;
 mod precise_events;
 mod precise_tokenizer;
+mod router_apis;
 mod router_discovery;
 mod router_ebpf_load;
 mod router_faults;

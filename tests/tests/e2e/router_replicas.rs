@@ -20,7 +20,7 @@ use zeromq::{Socket, SocketSend, ZmqMessage};
 const KEY: &str = "replica-test-shared-key";
 
 /// A stream port whose next port (the snapshot socket) is free too.
-fn port_pair() -> u16 {
+pub(crate) fn port_pair() -> u16 {
     for _ in 0..100 {
         let p = free_port();
         if p < u16::MAX && TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
@@ -30,7 +30,7 @@ fn port_pair() -> u16 {
     panic!("no two free ports in a row");
 }
 
-fn replicas_toml(me: u16, peers: &[u16], key: &str) -> String {
+pub(crate) fn replicas_toml(me: u16, peers: &[u16], key: &str) -> String {
     let list: Vec<String> = peers.iter().map(|p| format!("\"127.0.0.1:{p}\"")).collect();
     format!(
         "[replicas]\nlisten = \"127.0.0.1:{me}\"\npeers = [{}]\nkey = \"{key}\"\nsnapshot_timeout_ms = 1500\n",
