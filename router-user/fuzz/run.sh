@@ -12,7 +12,7 @@ set -euo pipefail
 
 SECS="${1:-20}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-TARGETS=(request_head chunked extract)
+TARGETS=(request_head chunked extract apis)
 cd "$HERE"
 
 if ! cargo fuzz --version >/dev/null 2>&1; then

@@ -427,3 +427,34 @@ fn back_to_back_streams_all_complete() {
         .sum();
     assert_eq!(unanswered, 0.0, "no request went unanswered:\n{m}");
 }
+
+#[test]
+fn the_anthropic_sdk_makes_every_call_through_the_router_to_llama_server() {
+    let test = "the_anthropic_sdk_makes_every_call_through_the_router_to_llama_server";
+    let Some(paths) = require(test) else {
+        return;
+    };
+    let Some(py) = testkit::sdk::require(test) else {
+        return;
+    };
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let f = Fleet::start(&paths, 2);
+    let run = testkit::sdk::run(
+        &py,
+        testkit::sdk::Script::Anthropic,
+        &f.router.url(),
+        MODEL_ALIAS,
+        &[],
+    );
+    run.assert_success();
+    // The conversation's later turns found their history in the slot that
+    // holds it: the router kept them on one server.
+    let turns = run.call("messages.multi_turn")["turns"]
+        .as_array()
+        .expect("turns")
+        .clone();
+    for (i, t) in turns.iter().enumerate().skip(1) {
+        let read = t["usage"]["cache_read_input_tokens"].as_u64().unwrap_or(0);
+        assert!(read > 0, "turn {i} found no cache on llama-server: {t}");
+    }
+}

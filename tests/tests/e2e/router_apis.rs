@@ -173,7 +173,11 @@ fn a_chain_of_twenty_turns_never_fails_under_load_and_through_a_reload() {
             assert_eq!(reload.status, 200, "{}", reload.text());
         }
         let persona = format!("You are travel agent number {t}, with a style of your own.");
-        let body = turn_as(&persona, &format!("step {t}"), ids.last().map(String::as_str));
+        let body = turn_as(
+            &persona,
+            &format!("step {t}"),
+            ids.last().map(String::as_str),
+        );
         let resp = post_json(r.addr, "/v1/responses", &body).expect("responses");
         assert_eq!(resp.status, 200, "turn {t}: {}", resp.text());
         ids.push(resp.json()["id"].as_str().unwrap().to_owned());
