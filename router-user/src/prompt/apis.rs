@@ -30,10 +30,19 @@ use xxhash_rust::xxh3::xxh3_64;
 use crate::error::{Kind, RouterError};
 use crate::prompt::extract::Prompt;
 use crate::prompt::hash::namespace_seed;
-use crate::prompt::scan::Canonical;
+
+/// Where a body's canonical prompt goes (`prompt::scan::Canonical`).
+pub trait Sink {
+    /// Starts a message: `RS role US`.
+    fn push_message(&mut self, role: &[u8]);
+    /// Appends text to the prompt.
+    fn push_text(&mut self, text: &[u8]);
+    /// The fields read besides the prompt.
+    fn set_fields(&mut self, model: &[u8], salt: &[u8], previous: &[u8], store: bool);
+}
 
 /// Reads a `/v1/messages` body into `canon` (cleared by the caller).
-pub fn messages(body: &[u8], canon: &mut Canonical) -> Result<Prompt, RouterError> {
+pub fn messages(body: &[u8], canon: &mut impl Sink) -> Result<Prompt, RouterError> {
     let m: MessagesBody<'_> = parse(body)?;
     let Some(turns) = m.messages else {
         return Err(invalid("'messages' is required for /v1/messages"));
@@ -61,7 +70,7 @@ pub fn messages(body: &[u8], canon: &mut Canonical) -> Result<Prompt, RouterErro
 }
 
 /// Reads a `/v1/responses` body into `canon` (cleared by the caller).
-pub fn responses(body: &[u8], canon: &mut Canonical) -> Result<Prompt, RouterError> {
+pub fn responses(body: &[u8], canon: &mut impl Sink) -> Result<Prompt, RouterError> {
     let r: ResponsesBody<'_> = parse(body)?;
     if r.input.is_none() && r.previous_response_id.is_none() {
         return Err(invalid("'input' is required for /v1/responses"));
@@ -100,7 +109,7 @@ pub fn responses(body: &[u8], canon: &mut Canonical) -> Result<Prompt, RouterErr
 /// The `model` of a body routed by its model alone (a path of
 /// `routes.extra_allowed`): none when the body is not a JSON object with
 /// a string `model` (the engine judges the body, not the router).
-pub fn model_only(body: &[u8], canon: &mut Canonical) {
+pub fn model_only(body: &[u8], canon: &mut impl Sink) {
     #[derive(Deserialize)]
     struct Model<'a> {
         #[serde(borrow, default)]
@@ -180,7 +189,7 @@ struct Block<'a> {
     source: Option<&'a RawValue>,
 }
 
-fn write_block(b: &Block<'_>, canon: &mut Canonical) {
+fn write_block<S: Sink>(b: &Block<'_>, canon: &mut S) {
     if let Some(t) = b.text.as_ref().or(b.thinking.as_ref()) {
         canon.push_text(t.as_bytes());
     }
@@ -260,7 +269,7 @@ struct Part<'a> {
     file_data: Option<Cow<'a, str>>,
 }
 
-fn write_part(p: &Part<'_>, canon: &mut Canonical) {
+fn write_part<S: Sink>(p: &Part<'_>, canon: &mut S) {
     if let Some(t) = &p.text {
         canon.push_text(t.as_bytes());
     }
@@ -272,7 +281,7 @@ fn write_part(p: &Part<'_>, canon: &mut Canonical) {
     }
 }
 
-fn write_item(i: &Item<'_>, canon: &mut Canonical) {
+fn write_item<S: Sink>(i: &Item<'_>, canon: &mut S) {
     match i.kind.as_deref() {
         None | Some("message") => {
             canon.push_message(i.role.as_deref().unwrap_or("user").as_bytes());
@@ -311,7 +320,7 @@ enum OneOrMany<'a, T> {
 }
 
 impl<T> OneOrMany<'_, T> {
-    fn write(&self, canon: &mut Canonical, each: fn(&T, &mut Canonical)) {
+    fn write<S: Sink>(&self, canon: &mut S, each: fn(&T, &mut S)) {
         match self {
             OneOrMany::One(t) => canon.push_text(t.as_bytes()),
             OneOrMany::Many(v) => v.iter().for_each(|x| each(x, canon)),

@@ -106,14 +106,11 @@ impl Extractor {
     ) -> Result<Prompt, RouterError> {
         canon.clear();
         if matches!(endpoint, Endpoint::Messages | Endpoint::Responses) {
-            // One reader for these (serde on the body): the scan's.
-            let mut c = crate::prompt::scan::Canonical::default();
-            let p = crate::prompt::scan::scan(endpoint, body, &mut c)?;
-            c.write_to(body, canon);
-            self.salt.clear();
-            self.salt.extend_from_slice(c.salt());
-            self.token_ids = false;
-            return Ok(p);
+            // These have one reader, `prompt::apis` (serde on the body).
+            return Err(RouterError::new(
+                Kind::Internal,
+                "the reference extractor reads chat, completions and /generate bodies",
+            ));
         }
         self.scratch.clear();
         self.scratch.extend_from_slice(body);
@@ -162,7 +159,9 @@ impl Extractor {
                 self.token_ids = matches!(prompt, PromptInput::Tokens(_));
                 prompt.write_canonical(canon);
             }
-            Endpoint::Messages | Endpoint::Responses => unreachable!("read above"),
+            Endpoint::Messages | Endpoint::Responses => {
+                return Err(RouterError::new(Kind::Internal, "read by prompt::apis"));
+            }
             Endpoint::Generate => match (parsed.text, parsed.input_ids) {
                 (Some(text), _) => {
                     self.token_ids = matches!(text, PromptInput::Tokens(_));

@@ -86,29 +86,6 @@ impl Canonical {
         self.store
     }
 
-    /// Starts a message: `RS role US` (the APIs read with serde, see
-    /// `prompt::apis`).
-    pub(crate) fn push_message(&mut self, role: &[u8]) {
-        self.aux(&[MESSAGE_START]);
-        self.aux(role);
-        self.aux(&[ROLE_END]);
-        self.answered |= role == b"assistant";
-    }
-
-    /// Appends text to the canonical prompt.
-    pub(crate) fn push_text(&mut self, text: &[u8]) {
-        self.aux(text);
-    }
-
-    /// The fields `prompt::apis` read besides the prompt.
-    pub(crate) fn set_fields(&mut self, model: &[u8], salt: &[u8], previous: &[u8], store: bool) {
-        self.model.extend_from_slice(model);
-        self.salt.extend_from_slice(salt);
-        self.previous_response.extend_from_slice(previous);
-        self.store = store;
-        self.answered |= !previous.is_empty();
-    }
-
     /// Whether a chat holds an earlier answer (a message of role
     /// `assistant`): a conversation past its first turn, whose history is
     /// at stake where it is cached.
@@ -202,6 +179,28 @@ impl Canonical {
         if self.pieces.capacity() > keep / 16 {
             self.pieces = Vec::new();
         }
+    }
+}
+
+/// The Messages and Responses readers write here (`prompt::apis`).
+impl crate::prompt::apis::Sink for Canonical {
+    fn push_message(&mut self, role: &[u8]) {
+        self.aux(&[MESSAGE_START]);
+        self.aux(role);
+        self.aux(&[ROLE_END]);
+        self.answered |= role == b"assistant";
+    }
+
+    fn push_text(&mut self, text: &[u8]) {
+        self.aux(text);
+    }
+
+    fn set_fields(&mut self, model: &[u8], salt: &[u8], previous: &[u8], store: bool) {
+        self.model.extend_from_slice(model);
+        self.salt.extend_from_slice(salt);
+        self.previous_response.extend_from_slice(previous);
+        self.store = store;
+        self.answered |= !previous.is_empty();
     }
 }
 

@@ -40,6 +40,9 @@ pub const MAX_FRAME_BYTES: usize = 512 * 1024;
 /// prompt (a quarter of a million tokens), past any model's context. A
 /// longer prompt's first blocks are what matching reads.
 pub const MAX_SHARED_BLOCKS: usize = 16_384;
+/// The longest stored response id a `Stored` message carries (as long as
+/// `fleet::stored` keeps).
+pub const MAX_STORED_ID_BYTES: usize = 256;
 /// (block, anchor) pairs in one snapshot frame.
 pub const SNAPSHOT_BLOCKS_PER_FRAME: usize = 8_192;
 
@@ -340,7 +343,7 @@ pub fn open<'a>(frame: &'a [u8], key: &Key) -> Result<Message<'a>, WireError> {
         Kind::Stored => {
             let backend = r.u64()?;
             let len = r.u32()? as usize;
-            if len > crate::fleet::stored::MAX_ID_BYTES {
+            if len > MAX_STORED_ID_BYTES {
                 return Err(WireError::Malformed);
             }
             Body::Stored {

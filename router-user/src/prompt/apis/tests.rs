@@ -1,5 +1,6 @@
 use super::*;
 use crate::prompt::extract::Endpoint;
+use crate::prompt::scan::Canonical;
 use crate::prompt::scan::scan;
 
 /// The canonical bytes and the seed of `body` read for `endpoint`.
