@@ -2,7 +2,8 @@
 //! checked on the source: every `crate::` path a module names must be one
 //! its folder may use, and no two modules may use each other, directly or
 //! around a loop. A module and the private submodules it declares
-//! (`mod probe;`) count as one: they are one file's parts.
+//! (`mod probe;`) count as one: they are one file's parts. The workspace's
+//! other crates (benches, tests, xtask) are checked for loops too.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -128,7 +129,12 @@ fn path_prefix(s: &str) -> String {
 }
 
 fn load() -> BTreeMap<String, Module> {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    load_from(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"))
+}
+
+/// The modules of the crate whose sources are under `src`.
+fn load_from(src: &Path) -> BTreeMap<String, Module> {
+    let src = src.to_path_buf();
     let mut files = Vec::new();
     source_files(&src, &mut files);
     let mut modules = BTreeMap::new();
@@ -211,6 +217,38 @@ fn every_folder_uses_only_what_it_may() {
 #[test]
 fn no_module_uses_itself_through_another() {
     let modules = load();
+    let (edges, cycle) = cycle_of(&modules);
+    let count: usize = edges.values().map(BTreeSet::len).sum();
+    assert!(count > 40, "only {count} dependencies found");
+    if let Some(cycle) = cycle {
+        panic!("module cycle: {}", cycle.join(" -> "));
+    }
+}
+
+/// The workspace's other crates hold no module cycle either.
+#[test]
+fn no_crate_of_the_workspace_has_a_module_cycle() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut checked = 0;
+    // `common` is one file.
+    for krate in ["benches", "tests", "xtask"] {
+        let src = root.join(krate).join("src");
+        let modules = load_from(&src);
+        assert!(!modules.is_empty(), "no modules under {}", src.display());
+        let (edges, cycle) = cycle_of(&modules);
+        checked += edges.values().map(BTreeSet::len).sum::<usize>();
+        if let Some(cycle) = cycle {
+            panic!("module cycle in {krate}: {}", cycle.join(" -> "));
+        }
+    }
+    assert!(checked > 20, "only {checked} dependencies found");
+}
+
+/// The dependencies between the modules (a private submodule counts as
+/// its parent), and a loop among them if there is one.
+type Edges = BTreeMap<String, BTreeSet<String>>;
+
+fn cycle_of(modules: &BTreeMap<String, Module>) -> (Edges, Option<Vec<String>>) {
     // A private submodule is part of its parent.
     let mut owner: BTreeMap<String, String> = BTreeMap::new();
     for m in modules.values() {
@@ -231,7 +269,7 @@ fn no_module_uses_itself_through_another() {
     for m in modules.values() {
         let from = unit(&m.path);
         for u in &m.uses {
-            if let Some(t) = target(&modules, u) {
+            if let Some(t) = target(modules, u) {
                 let to = unit(t);
                 if to != from {
                     edges.entry(from.clone()).or_default().insert(to);
@@ -239,8 +277,6 @@ fn no_module_uses_itself_through_another() {
             }
         }
     }
-    let count: usize = edges.values().map(BTreeSet::len).sum();
-    assert!(count > 40, "only {count} dependencies found");
     // Depth-first search for a back edge.
     fn visit(
         n: &str,
@@ -272,7 +308,8 @@ fn no_module_uses_itself_through_another() {
     let mut state = BTreeMap::new();
     for n in edges.keys() {
         if let Some(cycle) = visit(n, &edges, &mut state, &mut Vec::new()) {
-            panic!("module cycle: {}", cycle.join(" -> "));
+            return (edges, Some(cycle));
         }
     }
+    (edges, None)
 }
