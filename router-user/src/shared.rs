@@ -26,7 +26,7 @@ use crate::precise::offload::Job;
 use crate::precise::subscriber::Subscriber;
 use crate::precise::tokenizer::CUT_BYTES_PER_TOKEN;
 use crate::prompt::extract::{Endpoint, Prompt};
-use crate::prompt::hash::{block_hashes_pieces, cold_key};
+use crate::prompt::hash::{MAX_PROMPT_BLOCKS, block_hashes_pieces, cold_key};
 use crate::prompt::scan::{Canonical, scan};
 use crate::replica::Replica;
 
@@ -401,9 +401,11 @@ impl Router {
         let fleet = self.fleet.load_full();
         hashes.clear();
         if has_prompt {
+            // A prompt's first `MAX_PROMPT_BLOCKS` only.
+            let max = cfg.prefix.block_bytes.saturating_mul(MAX_PROMPT_BLOCKS);
             block_hashes_pieces(
                 seed,
-                scratch.canon.pieces(query.body),
+                scratch.canon.pieces_upto(query.body, max),
                 cfg.prefix.block_bytes,
                 &mut scratch.carry,
                 hashes,
@@ -1012,6 +1014,34 @@ mod tests {
         );
         scratch.precise_mask.insert(1);
         assert_eq!(prefix_params(&cfg, &scratch).move_cost, 3.0);
+    }
+
+    #[test]
+    fn a_prompt_past_any_context_is_hashed_only_to_the_cap() {
+        use crate::prompt::hash::DEFAULT_BLOCK_BYTES;
+        let cfg: Config = toml::from_str("backends = [\"http://127.0.0.1:9\"]").unwrap();
+        let router = Router::new(cfg).unwrap();
+        let (mut scratch, mut blocks) = (RouteScratch::default(), PromptBlocks::default());
+        let mut route = |content: &str| {
+            let body = serde_json::json!({"messages": [{"role": "user", "content": content}]});
+            let body = serde_json::to_vec(&body).unwrap();
+            let query = RouteQuery {
+                endpoint: Some(Endpoint::Chat),
+                body: &body,
+                session: None,
+                tokens: TokensFrom::Here,
+                scanned: None,
+                by_model: false,
+            };
+            router.route(&query, &mut scratch, &mut blocks).unwrap();
+            blocks.hashes.clone()
+        };
+        let long = "x".repeat(DEFAULT_BLOCK_BYTES * (MAX_PROMPT_BLOCKS + 1000));
+        let capped = route(&long);
+        assert_eq!(capped.len(), MAX_PROMPT_BLOCKS);
+        // The first blocks are the prompt's own: a shorter one shares them.
+        let short = route(&long[..DEFAULT_BLOCK_BYTES * 100]);
+        assert_eq!(short[..], capped[..short.len()]);
     }
 
     #[test]

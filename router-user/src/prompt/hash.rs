@@ -8,6 +8,13 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 /// usual ~4 bytes per token, i.e. one vLLM KV-cache block.
 pub const DEFAULT_BLOCK_BYTES: usize = 64;
 
+/// Most blocks hashed of one prompt: 16,384 blocks of 64 bytes is a 1 MiB
+/// prompt (a quarter of a million tokens), past any model's context and
+/// any engine's cache. What lies beyond is never matched: hashing, looking
+/// up and learning it would only cost the worker time (a 30 MB body) and
+/// push every other prompt of its backend out of the index.
+pub const MAX_PROMPT_BLOCKS: usize = 16_384;
+
 /// Chains block `block` onto the hash `prev` of every block before it.
 ///
 /// The block is hashed on its own and only then folded into the chain (one

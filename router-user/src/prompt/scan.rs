@@ -146,6 +146,23 @@ impl Canonical {
         })
     }
 
+    /// The pieces' bytes in order, cut after the first `max` bytes.
+    pub fn pieces_upto<'a>(
+        &'a self,
+        body: &'a [u8],
+        max: usize,
+    ) -> impl Iterator<Item = &'a [u8]> + 'a {
+        let mut left = max;
+        self.pieces(body).map_while(move |p| {
+            if left == 0 {
+                return None;
+            }
+            let p = &p[..p.len().min(left)];
+            left -= p.len();
+            Some(p)
+        })
+    }
+
     /// Writes the canonical prompt to `out` (cleared first).
     pub fn write_to(&self, body: &[u8], out: &mut Vec<u8>) {
         out.clear();
