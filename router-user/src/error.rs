@@ -41,6 +41,8 @@ pub enum Kind {
     BadGateway,
     /// No healthy backend, or every candidate is at its in-flight limit (503).
     Unavailable,
+    /// A `flex` request waited its `classes.flex_wait_ms` for room (429).
+    Shed,
     /// The backend did not answer in time (504).
     GatewayTimeout,
     /// A bug or resource failure in the router (500).
@@ -58,6 +60,7 @@ impl Kind {
             Kind::HeadersTooLarge => 431,
             Kind::Internal => 500,
             Kind::NotImplemented => 501,
+            Kind::Shed => 429,
             Kind::BadGateway => 502,
             Kind::Unavailable => 503,
             Kind::GatewayTimeout => 504,
@@ -76,7 +79,9 @@ impl Kind {
             | Kind::HeadersTooLarge
             | Kind::NotImplemented
             | Kind::ClientTimeout => Side::Client,
-            Kind::BadGateway | Kind::Unavailable | Kind::GatewayTimeout => Side::Backend,
+            Kind::BadGateway | Kind::Unavailable | Kind::GatewayTimeout | Kind::Shed => {
+                Side::Backend
+            }
             Kind::Internal => Side::Internal,
         }
     }
@@ -87,6 +92,7 @@ impl Kind {
             Kind::NotFound | Kind::ModelNotFound => "not_found_error",
             Kind::BodyTooLarge => "request_too_large",
             Kind::Unavailable => "overloaded_error",
+            Kind::Shed => "rate_limit_error",
             k => match k.side() {
                 Side::Client => "invalid_request_error",
                 Side::Backend | Side::Internal => "api_error",
@@ -286,6 +292,7 @@ pub fn reason(status: u16) -> &'static str {
         405 => "Method Not Allowed",
         408 => "Request Timeout",
         413 => "Content Too Large",
+        429 => "Too Many Requests",
         431 => "Request Header Fields Too Large",
         500 => "Internal Server Error",
         501 => "Not Implemented",

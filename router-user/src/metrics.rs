@@ -29,6 +29,7 @@ use crate::fleet::models::{Models, TTFT_BUCKETS};
 use crate::policy::select::{Choice, Decision};
 use crate::precise::Precise;
 use crate::precise::metrics::PreciseCollector;
+use crate::prompt::extract::Class;
 use crate::replica::Replica;
 use crate::replica::status::PeerPhase;
 
@@ -69,6 +70,21 @@ impl ResendName {
     }
 }
 
+/// `Class` as a label value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct ClassName(Class);
+
+impl ClassName {
+    fn name(self) -> &'static str {
+        self.0.name()
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ClassLabels {
+    class: ClassName,
+}
+
 /// `StatusClass` as a label value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct StatusName(StatusClass);
@@ -79,7 +95,7 @@ impl StatusName {
     }
 }
 
-label_value!(DecisionName, ResendName, StatusName);
+label_value!(DecisionName, ResendName, StatusName, ClassName);
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct DecisionLabels {
@@ -157,6 +173,8 @@ pub struct Metrics {
     /// Requests the prefix policy routed at the full-cache bounds.
     full_cache_routes: Counter,
     resends: Family<ResendLabels, Counter>,
+    /// Requests answered 429 after waiting their class's deadline.
+    shed: Family<ClassLabels, Counter>,
     matched_blocks: Histogram,
     routing_seconds: Histogram,
     queue_seconds: Histogram,
@@ -206,6 +224,17 @@ impl Metrics {
             "Requests sent again because no backend can have processed them, by reason",
             resends.clone(),
         );
+        let shed = Family::default();
+        registry.register(
+            "class_shed",
+            "Requests answered 429 after waiting their class's deadline for room (classes.flex_wait_ms), by class",
+            shed.clone(),
+        );
+        for c in Class::ALL {
+            drop(shed.get_or_create(&ClassLabels {
+                class: ClassName(c),
+            }));
+        }
         // Every reason and decision shows from the start, at zero.
         for r in Resend::ALL {
             drop(resends.get_or_create(&ResendLabels {
@@ -288,6 +317,7 @@ impl Metrics {
             decisions,
             full_cache_routes,
             resends,
+            shed,
             matched_blocks,
             routing_seconds,
             queue_seconds,
@@ -323,6 +353,15 @@ impl Metrics {
     /// The admin listener refused a connection (too many open).
     pub fn admin_refused(&self) {
         self.admin_refused.inc();
+    }
+
+    /// A request of `class` waited its deadline and was answered 429.
+    pub fn shed(&self, class: Class) {
+        self.shed
+            .get_or_create(&ClassLabels {
+                class: ClassName(class),
+            })
+            .inc();
     }
 
     pub fn resent(&self, reason: Resend) {

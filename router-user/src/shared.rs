@@ -25,7 +25,7 @@ use crate::precise::keys::{EngineTokens, PromptText};
 use crate::precise::offload::Job;
 use crate::precise::subscriber::Subscriber;
 use crate::precise::tokenizer::CUT_BYTES_PER_TOKEN;
-use crate::prompt::extract::{Endpoint, Prompt};
+use crate::prompt::extract::{Class, Endpoint, Prompt};
 use crate::prompt::hash::{MAX_PROMPT_BLOCKS, block_hashes_pieces, cold_key};
 use crate::prompt::scan::{Canonical, scan};
 use crate::replica::Replica;
@@ -52,6 +52,9 @@ pub struct Router {
     pub replica: Option<Arc<Replica>>,
     /// Which backend stored each stored response (`/v1/responses`).
     pub stored: StoredResponses,
+    /// Requests waiting in the router for room, by class
+    /// ([`Class::ALL`]'s order): a class goes only when none above waits.
+    pub waiting: [AtomicUsize; 3],
 }
 
 /// Retries across all requests are capped at `retry.budget_percent` of
@@ -127,12 +130,19 @@ pub struct RouteScratch {
     pub precise_mask: BackendSet,
     /// What [`Router::token_job`]'s scan of the body in `canon` said.
     scanned: Option<Prompt>,
+    /// The last routed request's class.
+    class: Class,
 }
 
 impl RouteScratch {
     /// The last routed request's canonical prompt and the fields read with it.
     pub fn canon(&self) -> &Canonical {
         &self.canon
+    }
+
+    /// The last routed request's class.
+    pub fn class(&self) -> Class {
+        self.class
     }
 
     /// Takes the scan [`Router::token_job`] left here, to be put back by
@@ -304,6 +314,7 @@ impl Router {
             client_conns: AtomicUsize::new(0),
             retry_budget: RetryBudget::new(budget_percent),
             shutting_down: AtomicBool::new(false),
+            waiting: Default::default(),
         });
         router.sync_subscribers();
         Ok(router)
@@ -388,6 +399,7 @@ impl Router {
                 (0, None, false)
             }
         };
+        scratch.class = class_of(scratch.canon.tier());
         let session = query.session.or(user);
         let table = self.models.table();
         let want = if query.endpoint.is_some() || !scratch.canon.model().is_empty() {
@@ -435,10 +447,18 @@ impl Router {
         scratch.loads.clear();
         scratch.matches.clear();
         scratch.ranks.clear();
+        let cap = cfg
+            .classes
+            .max_in_flight(scratch.class, cfg.limits.max_in_flight_per_backend);
+        // Waiting requests of a higher class go first.
+        let above_waiting = self.waits_above(scratch.class);
         let ticket = self.ticket.fetch_add(1, Relaxed);
         let fleet_slots = fleet_slots(&fleet);
         for b in &fleet.backends {
-            let mut load = b.view(cfg.limits.max_in_flight_per_backend);
+            let mut load = b.view(cap);
+            if above_waiting {
+                load.eligible = false;
+            }
             if !cfg.prefix.expects_lost_history() {
                 load.private_lost = 0.0;
             }
@@ -721,6 +741,14 @@ impl Router {
         }
     }
 
+    /// Whether a request of a class above `class` waits for room.
+    pub fn waits_above(&self, class: Class) -> bool {
+        Class::ALL
+            .iter()
+            .take_while(|&&c| c < class)
+            .any(|&c| self.waiting[c as usize].load(Relaxed) > 0)
+    }
+
     /// `backend` stored the response `id` (`/v1/responses`): requests
     /// that name it go there.
     pub fn stored_response(&self, id: &str, backend: &Backend) {
@@ -982,6 +1010,18 @@ impl Router {
             }
         }
     }
+}
+
+/// A body's class; a `service_tier` the router does not know counts as
+/// default (warned once).
+fn class_of(tier: &[u8]) -> Class {
+    Class::of_tier(tier).unwrap_or_else(|| {
+        static WARNED: AtomicBool = AtomicBool::new(false);
+        if !WARNED.swap(true, Relaxed) {
+            tracing::warn!(service_tier = %String::from_utf8_lossy(tier), "a service_tier the router does not know counts as default (warned once)");
+        }
+        Class::Default
+    })
 }
 
 #[cfg(test)]

@@ -37,6 +37,8 @@ pub trait Sink {
     fn push_message(&mut self, role: &[u8]);
     /// Appends text to the prompt.
     fn push_text(&mut self, text: &[u8]);
+    /// The body's `service_tier`.
+    fn set_tier(&mut self, tier: &[u8]);
     /// The fields read besides the prompt.
     fn set_fields(&mut self, model: &[u8], salt: &[u8], previous: &[u8], store: bool);
 }
@@ -59,6 +61,9 @@ pub fn messages(body: &[u8], canon: &mut impl Sink) -> Result<Prompt, RouterErro
     }
     let model = m.model.as_deref().unwrap_or("");
     canon.set_fields(model.as_bytes(), b"", b"", false);
+    if let Some(t) = &m.service_tier {
+        canon.set_tier(t.as_bytes());
+    }
     let user = m
         .metadata
         .and_then(|md| md.user_id)
@@ -96,6 +101,9 @@ pub fn responses(body: &[u8], canon: &mut impl Sink) -> Result<Prompt, RouterErr
         previous.as_bytes(),
         r.store.unwrap_or(true),
     );
+    if let Some(t) = &r.service_tier {
+        canon.set_tier(t.as_bytes());
+    }
     let user = r
         .safety_identifier
         .or(r.user)
@@ -152,6 +160,8 @@ struct MessagesBody<'a> {
     tools: Option<&'a RawValue>,
     #[serde(borrow, default)]
     metadata: Option<Metadata<'a>>,
+    #[serde(borrow, default)]
+    service_tier: Option<Cow<'a, str>>,
 }
 
 #[derive(Deserialize)]
@@ -233,6 +243,8 @@ struct ResponsesBody<'a> {
     user: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     safety_identifier: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    service_tier: Option<Cow<'a, str>>,
 }
 
 /// A Responses input item: a message (`type` absent or `message`), a

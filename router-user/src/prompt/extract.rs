@@ -63,6 +63,41 @@ impl Endpoint {
     }
 }
 
+/// A request's class (the OpenAI API's `service_tier`): who waits for it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Class {
+    /// `priority`: a person waiting, ahead of everyone.
+    Priority,
+    /// `default`, `auto` or none: interactive traffic.
+    #[default]
+    Default,
+    /// `flex`: batch work; only throughput matters, it may wait and be shed.
+    Flex,
+}
+
+impl Class {
+    pub const ALL: [Class; 3] = [Class::Priority, Class::Default, Class::Flex];
+
+    /// The class a `service_tier` value names (`None`: not one the router
+    /// knows, which counts as default).
+    pub fn of_tier(tier: &[u8]) -> Option<Class> {
+        match tier {
+            b"priority" => Some(Class::Priority),
+            b"default" | b"auto" | b"standard_only" | b"" => Some(Class::Default),
+            b"flex" | b"batch" => Some(Class::Flex),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Class::Priority => "priority",
+            Class::Default => "default",
+            Class::Flex => "flex",
+        }
+    }
+}
+
 /// What routing needs from a request body besides the canonical prompt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Prompt {

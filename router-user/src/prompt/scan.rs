@@ -49,6 +49,8 @@ pub struct Canonical {
     /// A Responses body asks the engine to store its answer (`store`,
     /// true unless false).
     store: bool,
+    /// The body's `service_tier` (empty: none).
+    tier: Vec<u8>,
 }
 
 impl Canonical {
@@ -73,6 +75,12 @@ impl Canonical {
         self.answered = false;
         self.previous_response.clear();
         self.store = false;
+        self.tier.clear();
+    }
+
+    /// The body's `service_tier` (empty: none); `Class::of_tier` reads it.
+    pub fn tier(&self) -> &[u8] {
+        &self.tier
     }
 
     /// A Responses body's `previous_response_id` (empty: none).
@@ -212,6 +220,11 @@ impl crate::prompt::apis::Sink for Canonical {
         self.aux(text);
     }
 
+    fn set_tier(&mut self, tier: &[u8]) {
+        self.tier.clear();
+        self.tier.extend_from_slice(&tier[..tier.len().min(32)]);
+    }
+
     fn set_fields(&mut self, model: &[u8], salt: &[u8], previous: &[u8], store: bool) {
         self.model.extend_from_slice(model);
         self.salt.extend_from_slice(salt);
@@ -245,6 +258,9 @@ pub fn scan(endpoint: Endpoint, body: &[u8], canon: &mut Canonical) -> Result<Pr
     canon.salt.extend_from_slice(salt);
     canon.model.extend_from_slice(model);
     canon.adapter.extend_from_slice(adapter);
+    if let Some(t) = field(fields.service_tier) {
+        crate::prompt::apis::Sink::set_tier(canon, t);
+    }
     let user = field(fields.user).map(xxh3_64);
     match endpoint {
         Endpoint::Chat if !fields.saw_prompt => Err(RouterError::new(
@@ -323,6 +339,7 @@ struct Fields {
     model: Option<Str>,
     user: Option<Str>,
     cache_salt: Option<Str>,
+    service_tier: Option<Str>,
     lora_path: Option<Str>,
     /// Decoded bytes of the fields above that had escapes.
     decoded: Vec<u8>,
@@ -343,6 +360,7 @@ struct Seen {
     user: bool,
     cache_salt: bool,
     lora_path: bool,
+    service_tier: bool,
 }
 
 struct Scanner<'a, 'c> {
@@ -501,6 +519,10 @@ impl<'a> Scanner<'a, '_> {
                 Key::CacheSalt => {
                     once(&mut seen.cache_salt, s)?;
                     f.cache_salt = s.opt_string(&mut f.decoded)?;
+                }
+                Key::ServiceTier => {
+                    once(&mut seen.service_tier, s)?;
+                    f.service_tier = s.opt_string(&mut f.decoded)?;
                 }
                 Key::LoraPath => {
                     once(&mut seen.lora_path, s)?;
@@ -1170,6 +1192,7 @@ enum Key {
     User,
     CacheSalt,
     LoraPath,
+    ServiceTier,
     Other,
 }
 
@@ -1193,6 +1216,7 @@ fn top_key(name: &[u8]) -> Key {
         b"user" => Key::User,
         b"cache_salt" => Key::CacheSalt,
         b"lora_path" => Key::LoraPath,
+        b"service_tier" => Key::ServiceTier,
         _ => Key::Other,
     }
 }

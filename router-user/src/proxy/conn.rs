@@ -38,7 +38,7 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: SocketAddr) {
                 if e.kind != Kind::Internal || !e.message.is_empty() {
                     log_error(&e, &c.peer, "-");
                     // After a framing error the rest of the stream cannot be trusted.
-                    let retry_after = (e.kind == Kind::Unavailable).then_some(1);
+                    let retry_after = retry_after(&e);
                     let mut resp = e.to_response(true, retry_after, cfg.debug_headers);
                     let write = ms(cfg.timeouts.client_write_ms);
                     if write_all(&mut c.stream, &mut resp, write).await.is_ok()
@@ -81,7 +81,7 @@ async fn one_request(
         Err(e) => {
             log_error(&e, &c.peer, head.path(&c.fwd));
             // The request was read whole, so the connection stays usable.
-            let retry_after = (e.kind == Kind::Unavailable).then_some(1);
+            let retry_after = retry_after(&e);
             let shape = Shape::of_path(head.path(&c.fwd));
             let mut resp = e.to_response_in(shape, !reusable, retry_after, cfg.debug_headers);
             if write_all(&mut c.stream, &mut resp, ms(cfg.timeouts.client_write_ms))
@@ -92,6 +92,16 @@ async fn one_request(
             }
             Ok(reusable)
         }
+    }
+}
+
+/// Seconds a client should wait before it tries again, for the errors
+/// that say so.
+fn retry_after(e: &RouterError) -> Option<u32> {
+    match e.kind {
+        Kind::Unavailable => Some(1),
+        Kind::Shed => Some(5),
+        _ => None,
     }
 }
 

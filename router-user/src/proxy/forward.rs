@@ -57,6 +57,8 @@ pub struct Attempt<'a> {
     pub fresh_only: bool,
     /// The engine stores the answer (`/v1/responses`): read its id.
     pub stores_answer: bool,
+    /// The backend's in-flight limit for this request's class (0: none).
+    pub max_in_flight: u32,
 }
 
 /// A request in flight on a backend, as this replica counts it and, with

@@ -13,9 +13,12 @@ use crate::error::{Kind, Resend, RouterError};
 use crate::fleet::backend::Backend;
 use crate::fleet::feedback::Reported;
 use crate::fleet::models::ModelStats;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
 use crate::fleet::stored;
 use crate::policy::select::Decision;
 use crate::precise::keys::EngineTokens;
+use crate::prompt::extract::Class;
 use crate::proxy::api;
 use crate::proxy::client::{Body, ClientConn, Request};
 use crate::proxy::forward::{self, Attempt, Failure};
@@ -55,7 +58,7 @@ pub async fn handle(
         return Ok(close || sent.is_err());
     }
     let (tokens, mut scanned) = offload_tokens(worker, cfg, c, req).await;
-    let deadline = Instant::now() + ms(cfg.timeouts.queue_ms);
+    let mut deadline = Instant::now() + ms(cfg.timeouts.queue_ms);
     let mut head_finished = false;
     let mut tries = Tries::default();
     // `/v1/responses/{id}...`: only the engine that stored it knows it.
@@ -73,6 +76,13 @@ pub async fn handle(
         if let Some(p) = &pin {
             p.apply(cfg, &mut routed, c.blocks.hashes.len() as u32)?;
         }
+        let class = worker.scratch.borrow().class();
+        let cap = cfg
+            .classes
+            .max_in_flight(class, cfg.limits.max_in_flight_per_backend);
+        if tries.attempts == 0 && !tries.full && class == Class::Flex {
+            deadline = Instant::now() + ms(cfg.classes.flex_wait_ms);
+        }
         // The router's own time: from the request read to the first
         // decision, plus each decision again after waiting; the wait itself
         // is the queue's.
@@ -81,14 +91,16 @@ pub async fn handle(
         } else {
             started.elapsed()
         };
-        let queued = routed.choice.len == 0 && (pin.is_some() || queueable(cfg, &routed));
+        let queued = routed.choice.len == 0 && (pin.is_some() || queueable(cap, deadline, &routed));
         if queued {
-            // Every up backend is at `limits.max_in_flight_per_backend`: wait
-            // for room (atomic loads only), then route again, until `queue_ms`.
+            // Every up backend is at its in-flight limit for this class: wait
+            // for room (atomic loads only), then route again, until the
+            // deadline (`queue_ms`, `classes.flex_wait_ms`).
             let waiting = Instant::now();
+            let _counted = Waiting::new(&router.waiting[class as usize]);
             while routed.choice.len == 0 && Instant::now() < deadline {
                 monoio::time::sleep(QUEUE_POLL).await;
-                if has_room(cfg, &routed) {
+                if has_room(cap, &routed) && !router.waits_above(class) {
                     let again = Instant::now();
                     routed = route_once(worker, c, req, tokens.as_ref(), None)?;
                     if let Some(p) = &pin {
@@ -104,7 +116,9 @@ pub async fn handle(
         router.metrics.observe_routing(&routed.choice, routing);
         routed.model.requested();
         if routed.choice.len == 0 {
-            return Err(if queued {
+            return Err(if queued && class == Class::Flex {
+                shed(cfg, router, class)
+            } else if queued {
                 at_limit(cfg)
             } else {
                 RouterError::new(
@@ -142,6 +156,7 @@ pub async fn handle(
                     decision: ch.decision,
                     fresh_only: tries.fresh_only,
                     stores_answer,
+                    max_in_flight: cap,
                 }
             } else {
                 Attempt {
@@ -152,6 +167,7 @@ pub async fn handle(
                     decision: routed.choice.decision,
                     fresh_only: tries.fresh_only,
                     stores_answer,
+                    max_in_flight: cap,
                 }
             };
             let sent = attempt(worker, cfg, c, req, &at, &routed.model).await;
@@ -164,6 +180,7 @@ pub async fn handle(
         match tries.last.take() {
             // Lost every slot race: queue again while `queue_ms` lasts.
             None if tries.full && Instant::now() < deadline => continue,
+            None if tries.full && class == Class::Flex => return Err(shed(cfg, router, class)),
             None if tries.full => return Err(at_limit(cfg)),
             // The engine that stored the response cannot be reached: it
             // is gone, and what it stored with it.
@@ -293,11 +310,7 @@ async fn attempt(
     let queued_ahead = backend.load.queued_prefill_blocks();
     // Routing saw room, but workers route concurrently: admission holds the
     // limit exactly, and a request that lost the race tries the next candidate.
-    let Some(mut inflight) = backend.admit(
-        cfg.limits.max_in_flight_per_backend,
-        uncached,
-        prompt_blocks,
-    ) else {
+    let Some(mut inflight) = backend.admit(at.max_in_flight, uncached, prompt_blocks) else {
         return Err(Failure::Full);
     };
     // Admitted first, so that routing counts it on this backend while it
@@ -584,15 +597,44 @@ async fn offload_tokens(
 }
 
 /// Whether a request that found no candidate should wait: some backend is up
-/// and only its in-flight limit keeps it out.
-fn queueable(cfg: &Config, routed: &Routed) -> bool {
-    cfg.limits.max_in_flight_per_backend > 0
-        && cfg.timeouts.queue_ms > 0
-        && routed.fleet.backends.iter().any(|b| b.health.is_up())
+/// and only the in-flight limit of its class (`cap`) keeps it out, or a
+/// request of a higher class waits.
+fn queueable(cap: u32, deadline: Instant, routed: &Routed) -> bool {
+    cap > 0 && Instant::now() < deadline && routed.fleet.backends.iter().any(|b| b.health.is_up())
 }
 
-/// Whether an up backend has room under its in-flight limit now.
-fn has_room(cfg: &Config, routed: &Routed) -> bool {
-    let max = cfg.limits.max_in_flight_per_backend;
-    routed.fleet.backends.iter().any(|b| b.has_room(max))
+/// Whether an up backend has room under the class's in-flight limit now.
+fn has_room(cap: u32, routed: &Routed) -> bool {
+    routed.fleet.backends.iter().any(|b| b.has_room(cap))
+}
+
+/// Counts a request waiting in the router for room, by class, while it
+/// waits (however it stops waiting: room, its deadline, or the client gone
+/// and the request dropped).
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn new(n: &'a AtomicUsize) -> Waiting<'a> {
+        n.fetch_add(1, Relaxed);
+        Waiting(n)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
+
+/// The 429 for a request of `class` that waited its deadline for room.
+fn shed(cfg: &Config, router: &crate::shared::Router, class: Class) -> RouterError {
+    router.metrics.shed(class);
+    RouterError::new(
+        Kind::Shed,
+        format!(
+            "the engines stayed busy for {} ms (classes.flex_wait_ms) while this {} request waited; try again later",
+            cfg.classes.flex_wait_ms,
+            class.name()
+        ),
+    )
 }

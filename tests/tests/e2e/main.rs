@@ -12,6 +12,7 @@ mod engine_timing;
 mod precise_events;
 mod precise_tokenizer;
 mod router_apis;
+mod router_classes;
 mod router_discovery;
 mod router_ebpf_load;
 mod router_faults;
