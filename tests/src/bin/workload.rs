@@ -4,7 +4,7 @@
 use clap::Parser;
 use std::path::PathBuf;
 use std::time::Duration;
-use testkit::workload::{RunConfig, Scenario, ScenarioKind, run};
+use testkit::workload::{Api, RunConfig, Scenario, ScenarioKind, run};
 
 /// Scenario traffic against any OpenAI-compatible base URL (router, engine
 /// or vLLM), with per-request JSONL records and a summary that includes the
@@ -18,6 +18,13 @@ struct Args {
     /// Traffic shape.
     #[arg(long, value_enum, default_value = "chat")]
     scenario: ScenarioKind,
+    /// The API the conversations are sent in: chat completions; Anthropic
+    /// Messages (`system` and `messages`); OpenAI Responses with the whole
+    /// conversation each turn (`instructions` and `input`, `store: false`);
+    /// or a Responses chain (stored; each later turn sends only what is new,
+    /// with `previous_response_id`). The same conversations on every API.
+    #[arg(long, value_enum, default_value = "chat")]
+    api: Api,
     /// Closed loop: concurrent users (each runs sessions back to back).
     #[arg(long, default_value_t = 8)]
     users: usize,
@@ -110,6 +117,7 @@ fn main() -> anyhow::Result<()> {
         sc.tool_tokens = v;
     }
     let mut cfg = RunConfig::new(a.target, sc);
+    cfg.api = a.api;
     cfg.users = a.users;
     cfg.rate = a.rate;
     cfg.duration = a.duration_s.map(Duration::from_secs_f64);

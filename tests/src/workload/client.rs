@@ -2,11 +2,13 @@
 //! connection pool, Content-Length / chunked / close-delimited bodies, and
 //! an SSE reader that timestamps the first content event (TTFT).
 
+use super::answer::{Answer, Usage};
+use super::api::Api;
 use anyhow::{Context, bail};
 use bytes::{Buf, BytesMut};
 use prefix_router::http::chunked::ChunkedDecoder;
 use prefix_router::http::url::HttpUrl;
-use serde::Deserialize;
+use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -42,33 +44,6 @@ impl Target {
     }
 }
 
-/// Token counts as reported in `usage`.
-#[derive(Clone, Copy, Debug, Default, Deserialize)]
-pub struct Usage {
-    #[serde(default)]
-    pub prompt_tokens: u64,
-    #[serde(default)]
-    pub completion_tokens: u64,
-    #[serde(default)]
-    pub prompt_tokens_details: Option<Details>,
-}
-
-/// `usage.prompt_tokens_details`.
-#[derive(Clone, Copy, Debug, Default, Deserialize)]
-pub struct Details {
-    #[serde(default)]
-    pub cached_tokens: Option<u64>,
-}
-
-impl Usage {
-    /// Cached prompt tokens (0 if not reported).
-    pub fn cached(&self) -> u64 {
-        self.prompt_tokens_details
-            .and_then(|d| d.cached_tokens)
-            .unwrap_or(0)
-    }
-}
-
 /// The outcome of one request.
 #[derive(Clone, Debug)]
 pub struct Outcome {
@@ -76,59 +51,24 @@ pub struct Outcome {
     /// First content event (stream) or first body byte (non-stream).
     pub first: Option<Instant>,
     pub end: Instant,
-    /// The generated text.
+    /// The generated text (a body that is no answer: the body).
     pub text: String,
     pub usage: Option<Usage>,
+    /// The answer's `id` (what a Responses `previous_response_id` names).
+    pub id: Option<String>,
     /// The `x-engine-id` response header (else `x-prefix-router-backend`).
     pub instance: Option<String>,
     pub error: Option<String>,
 }
 
-#[derive(Deserialize)]
-struct Delta {
-    #[serde(default)]
-    content: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct Message {
-    #[serde(default)]
-    content: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct Choice {
-    #[serde(default)]
-    delta: Option<Delta>,
-    #[serde(default)]
-    message: Option<Message>,
-    #[serde(default)]
-    text: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct Body {
-    #[serde(default)]
-    choices: Vec<Choice>,
-    #[serde(default)]
-    usage: Option<Usage>,
-}
-
-impl Body {
-    fn content(self) -> (String, Option<Usage>) {
-        let mut s = String::new();
-        for c in self.choices {
-            if let Some(t) = c
-                .delta
-                .and_then(|d| d.content)
-                .or(c.message.and_then(|m| m.content))
-                .or(c.text)
-            {
-                s.push_str(&t);
-            }
-        }
-        (s, self.usage)
-    }
+/// How a response body is read.
+#[derive(Clone, Copy, Debug)]
+pub enum Read {
+    /// Kept as text (`GET`s).
+    Text,
+    /// An answer of this API: its event stream when the server streams,
+    /// else its JSON body (a body of another shape is kept as text).
+    Answer(Api),
 }
 
 /// A keep-alive client for one target.
@@ -155,7 +95,7 @@ impl Client {
     /// `GET path` → (status, body).
     pub async fn get(&self, path: &str) -> anyhow::Result<(u16, Vec<u8>)> {
         let o = self
-            .send("GET", path, &[], b"", false, Duration::from_secs(30))
+            .send("GET", path, &[], b"", Read::Text, Duration::from_secs(30))
             .await;
         match o.error {
             Some(e) if o.status == 0 => bail!("GET {path}: {e}"),
@@ -163,16 +103,14 @@ impl Client {
         }
     }
 
-    /// Sends one request and reads the response. `sse` parses an
-    /// event-stream body into the generated text; otherwise a JSON body is
-    /// parsed if it has `choices`, and kept as text if not.
+    /// Sends one request and reads the response as `read` says.
     pub async fn send(
         &self,
         method: &str,
         path: &str,
         headers: &[(&str, &str)],
         body: &[u8],
-        sse: bool,
+        read: Read,
         timeout: Duration,
     ) -> Outcome {
         let start = Instant::now();
@@ -200,7 +138,7 @@ impl Client {
             };
             let r = tokio::time::timeout(
                 timeout,
-                self.exchange(&mut conn, method, path, headers, body, sse),
+                self.exchange(&mut conn, method, path, headers, body, read),
             )
             .await;
             match r {
@@ -225,7 +163,7 @@ impl Client {
         path: &str,
         headers: &[(&str, &str)],
         body: &[u8],
-        sse: bool,
+        read: Read,
     ) -> Result<(Outcome, bool), Failure> {
         let mut req = Vec::with_capacity(256 + body.len());
         req.extend_from_slice(
@@ -321,43 +259,28 @@ impl Client {
             done: false,
         };
         let mut first = None;
-        let mut text = String::new();
-        let mut usage = None;
+        let mut answer = match read {
+            Read::Answer(api) => Some(Answer::new(api)),
+            Read::Text => None,
+        };
+        let streaming = answer.is_some() && event_stream && status == 200;
         let mut raw = Vec::new();
         let mut sse_buf = Vec::new();
-        let mut saw_done = false;
         loop {
             let piece = reader
                 .next(conn)
                 .await
                 .map_err(|e| fail(format!("{e} (after {} body bytes)", raw.len())))?;
             let Some(piece) = piece else { break };
-            if first.is_none() && !(sse && event_stream) {
+            if first.is_none() && !streaming {
                 first = Some(Instant::now());
             }
-            if sse && event_stream && status == 200 {
+            if let (true, Some(a)) = (streaming, answer.as_mut()) {
                 sse_buf.extend_from_slice(&piece);
                 while let Some(end) = memchr::memmem::find(&sse_buf, b"\n\n") {
                     let event: Vec<u8> = sse_buf.drain(..end + 2).collect();
-                    for line in event.split(|&b| b == b'\n') {
-                        let Some(data) = line.strip_prefix(b"data:") else {
-                            continue;
-                        };
-                        let data = data.trim_ascii();
-                        if data == b"[DONE]" {
-                            saw_done = true;
-                            continue;
-                        }
-                        if let Ok(b) = serde_json::from_slice::<Body>(data) {
-                            let (t, u) = b.content();
-                            if !t.is_empty() && first.is_none() {
-                                first = Some(Instant::now());
-                            }
-                            text.push_str(&t);
-                            if u.is_some() {
-                                usage = u;
-                            }
-                        }
+                    if a.event(&event_data(&event)) && first.is_none() {
+                        first = Some(Instant::now());
                     }
                 }
             } else {
@@ -369,25 +292,26 @@ impl Client {
         }
         let end = Instant::now();
         let mut error = None;
+        let mut text = String::new();
+        let (mut usage, mut id) = (None, None);
         if status != 200 {
             error = Some(format!(
                 "HTTP {status}: {}",
                 String::from_utf8_lossy(&raw[..raw.len().min(300)])
             ));
-        } else if sse && event_stream {
-            if !saw_done {
-                error = Some("stream ended without [DONE]".into());
-            }
-        } else if let Ok(b) = serde_json::from_slice::<Body>(&raw) {
-            if raw.starts_with(b"{") && memchr::memmem::find(&raw, b"\"choices\"").is_some() {
-                let (t, u) = b.content();
-                text = t;
-                usage = u;
-            } else {
-                text = String::from_utf8_lossy(&raw).into_owned();
-            }
         } else {
-            text = String::from_utf8_lossy(&raw).into_owned();
+            let read = match answer {
+                Some(a) if streaming => {
+                    error = a.incomplete();
+                    Some(a)
+                }
+                Some(mut a) => a.body(&raw).then_some(a),
+                None => None,
+            };
+            match read {
+                Some(a) => (text, usage, id) = (a.text, a.usage, a.id),
+                None => text = String::from_utf8_lossy(&raw).into_owned(),
+            }
         }
         Ok((
             Outcome {
@@ -396,11 +320,34 @@ impl Client {
                 end,
                 text,
                 usage,
+                id,
                 instance,
                 error,
             },
             keep_alive,
         ))
+    }
+}
+
+/// An event's data: its `data:` lines, each trimmed, joined with `\n`.
+fn event_data(event: &[u8]) -> Cow<'_, [u8]> {
+    let mut lines = event
+        .split(|&b| b == b'\n')
+        .filter_map(|l| l.strip_prefix(b"data:"))
+        .map(<[u8]>::trim_ascii);
+    let Some(one) = lines.next() else {
+        return Cow::Borrowed(b"");
+    };
+    match lines.next() {
+        None => Cow::Borrowed(one),
+        Some(two) => {
+            let mut v = [one, two].join(&b'\n');
+            for l in lines {
+                v.push(b'\n');
+                v.extend_from_slice(l);
+            }
+            Cow::Owned(v)
+        }
     }
 }
 
@@ -421,6 +368,7 @@ fn failed(msg: String, _start: Instant) -> Outcome {
         end: Instant::now(),
         text: String::new(),
         usage: None,
+        id: None,
         instance: None,
         error: Some(msg),
     }
@@ -501,5 +449,19 @@ impl BodyReader {
                 }
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::event_data;
+
+    #[test]
+    fn an_event_s_data_lines_are_joined_and_its_name_left_out() {
+        let named = b"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+        assert_eq!(&*event_data(named), br#"{"type":"message_stop"}"#);
+        assert_eq!(&*event_data(b"data: [DONE]\n\n"), b"[DONE]");
+        assert_eq!(&*event_data(b"data: {\"a\":\ndata: 1}\n\n"), b"{\"a\":\n1}");
+        assert_eq!(&*event_data(b": keep-alive\n\n"), b"");
     }
 }

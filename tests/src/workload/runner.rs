@@ -1,7 +1,8 @@
 //! Closed- and open-loop drivers: sessions, request bodies, records.
 
+use super::api::{Api, Fields};
 use super::ceiling::Ceiling;
-use super::client::{Client, Target};
+use super::client::{Client, Read, Target};
 use super::record::{Record, Summary};
 use super::scenario::{Corpus, Msg, Scenario, Session};
 use anyhow::{Context, bail};
@@ -20,6 +21,9 @@ const MAX_OPEN_SESSIONS: usize = 10_000;
 pub struct RunConfig {
     /// Base URL of any OpenAI-compatible server: router, engine or vLLM.
     pub target: String,
+    /// The API the conversations are sent in; every API sends the same
+    /// conversations, which the engine renders to the same prompts.
+    pub api: Api,
     /// More base URLs serving the same fleet (router replicas). Each
     /// request goes to one of `target` and these, drawn at random for that
     /// request alone (seeded by `seed`, the session and the turn), as an L4
@@ -39,8 +43,8 @@ pub struct RunConfig {
     pub seed: u64,
     /// Model to ask for [default: the first of `GET /v1/models`].
     pub model: Option<String>,
-    /// `stream: true` with `stream_options.include_usage` (TTFT = first
-    /// content event); otherwise TTFT = first body byte.
+    /// Streamed answers (chat: with `stream_options.include_usage`), TTFT
+    /// = the first event carrying text; otherwise TTFT = first body byte.
     pub stream: bool,
     /// Per-request timeout.
     pub request_timeout: Duration,
@@ -113,6 +117,7 @@ impl RunConfig {
     pub fn new(target: impl Into<String>, scenario: Scenario) -> Self {
         RunConfig {
             target: target.into(),
+            api: Api::Chat,
             replicas: Vec::new(),
             scenario,
             users: 8,
@@ -156,32 +161,16 @@ impl Ctx {
         }
     }
 
-    fn body(&self, session: u64, messages: &[Msg]) -> Vec<u8> {
-        let mut b =
-            Vec::with_capacity(messages.iter().map(|m| m.content.len() + 48).sum::<usize>() + 256);
-        b.extend_from_slice(b"{\"model\":");
-        b.extend_from_slice(self.model_json.as_bytes());
-        b.extend_from_slice(b",\"messages\":[");
-        for (i, m) in messages.iter().enumerate() {
-            if i > 0 {
-                b.push(b',');
-            }
-            b.extend_from_slice(format!("{{\"role\":\"{}\",\"content\":", m.role).as_bytes());
-            let _ = serde_json::to_writer(&mut b, &*m.content);
-            b.push(b'}');
-        }
-        b.extend_from_slice(
-            format!(
-                "],\"max_tokens\":{},\"user\":\"session-{session}\"",
-                self.cfg.scenario.max_tokens
-            )
-            .as_bytes(),
-        );
-        if self.cfg.stream {
-            b.extend_from_slice(b",\"stream\":true,\"stream_options\":{\"include_usage\":true}");
-        }
-        b.push(b'}');
-        b
+    /// The body of a request of `messages` (the whole conversation so
+    /// far) in the run's API; `previous` is the last answer's `id`.
+    fn body(&self, session: u64, messages: &[Msg], previous: Option<&str>) -> Vec<u8> {
+        let fields = Fields {
+            model_json: &self.model_json,
+            max_tokens: self.cfg.scenario.max_tokens,
+            session,
+            stream: self.cfg.stream,
+        };
+        self.cfg.api.body(&fields, messages, previous)
     }
 
     /// Which client sends turn `turn` of session `session`: the same for
@@ -206,11 +195,14 @@ impl Ctx {
     /// returns false when the run is over.
     async fn run_session(&self, user: u64, session_id: u64, seed: u64) -> bool {
         let mut s = Session::new(&self.corpus, session_id, seed);
+        let api = self.cfg.api;
+        // The last answer's id, which a chained turn names.
+        let mut previous: Option<String> = None;
         while let Some(messages) = s.next_messages() {
             let Some(seq) = self.claim() else {
                 return false;
             };
-            let body = self.body(session_id, &messages);
+            let body = self.body(session_id, &messages, previous.as_deref());
             let prompt = self.ceiling.lock().expect("ceiling").prompt(&messages);
             let ceiling_cached = self.ceiling.lock().expect("ceiling").on_send(&prompt);
             let sid = session_id.to_string();
@@ -220,10 +212,10 @@ impl Ctx {
             let o = self.clients[replica]
                 .send(
                     "POST",
-                    "/v1/chat/completions",
+                    api.path(),
                     &headers,
                     &body,
-                    self.cfg.stream,
+                    Read::Answer(api),
                     self.cfg.request_timeout,
                 )
                 .await;
@@ -242,9 +234,13 @@ impl Ctx {
                 end_ms: self.ms(o.end),
                 latency_ms: o.end.saturating_duration_since(start).as_secs_f64() * 1e3,
                 status: o.status,
-                error: o.error.clone(),
+                error: o.error.clone().or_else(|| {
+                    // Without it the chain cannot go on.
+                    (o.status == 200 && api.chains() && o.id.is_none())
+                        .then(|| "the answer carries no id".to_string())
+                }),
                 prompt_tokens: usage.prompt_tokens,
-                cached_tokens: usage.cached(),
+                cached_tokens: usage.cached_tokens,
                 completion_tokens: usage.completion_tokens,
                 local_prompt_tokens: prompt.num_tokens as u64,
                 ceiling_cached_tokens: ceiling_cached,
@@ -265,6 +261,7 @@ impl Ctx {
                 .expect("ceiling")
                 .on_answer(&prompt, &o.text);
             s.record_answer(&o.text);
+            previous = o.id;
             if s.has_more() {
                 let think = s.think_time();
                 if !think.is_zero() {
