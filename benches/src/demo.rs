@@ -81,6 +81,7 @@ impl DemoCfg {
             drive: self.drive.clone(),
             policies: self.policies.clone(),
             alongside: None,
+            api: testkit::workload::Api::Chat,
         }
     }
 }

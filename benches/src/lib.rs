@@ -18,6 +18,8 @@
 //!   this CPU), several seeds, with its own report;
 //! - [`scenarios`]: the quality bench's rows (named production-shaped
 //!   scenarios, and the lock-step shapes of the first benches);
+//! - [`apis`]: the same rows sent as chat completions, Anthropic Messages
+//!   and OpenAI Responses (whole or chained), side by side;
 //! - [`peers`]: sglang-router, vllm-router and smg in their own virtualenv,
 //!   run inside a network namespace with only loopback;
 //! - [`replicas`]: several router processes in front of one fleet, each
@@ -34,6 +36,7 @@
 //! traffic goes to 127.0.0.1; the peer routers only ever run inside a
 //! network namespace that has nothing but loopback.
 
+pub mod apis;
 pub mod bandwidth;
 pub mod body;
 pub mod charts;

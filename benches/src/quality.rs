@@ -594,6 +594,7 @@ pub fn run_one(
         cfg.duration = Some(Duration::from_secs_f64(qs.drive.duration_s));
         cfg.seed = seed;
         cfg.model = Some(model.clone());
+        cfg.api = qs.api;
         cfg.request_timeout = Duration::from_secs(60);
         cfg.epoch = Some(epoch);
         if restart_at.is_some() {
@@ -682,7 +683,7 @@ pub fn run_one(
             1 => front.name(),
             n => format!("{}-x{n}", front.name()),
         };
-        write_records(Path::new(&dir), &qs.name, &name, &records)?;
+        write_records(Path::new(&dir), &qs.label(), &name, &records)?;
     }
     let per_engine: Vec<u64> = engines
         .iter()
@@ -726,6 +727,9 @@ fn one() -> usize {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct QualityRow {
     pub scenario: String,
+    /// The API the conversations were sent in ([`crate::apis`]).
+    #[serde(default)]
+    pub api: testkit::workload::Api,
     pub policy: String,
     /// Whether `policy` is a peer router rather than one of ours.
     #[serde(default)]
@@ -821,6 +825,7 @@ impl QualityRow {
         let s = &run.summary;
         QualityRow {
             scenario: qs.name.clone(),
+            api: qs.api,
             policy: run.policy.clone(),
             peer: Peer::from_name(&run.policy).is_some(),
             replicas: run.replicas,
@@ -1015,7 +1020,12 @@ pub fn fill_kept(rows: &mut [QualityRow]) {
             ];
             names.iter().find_map(|n| {
                 rows.iter()
-                    .find(|b| b.scenario == r.scenario && b.replicas == 1 && b.policy == *n)
+                    .find(|b| {
+                        b.scenario == r.scenario
+                            && b.api == r.api
+                            && b.replicas == 1
+                            && b.policy == *n
+                    })
                     .map(|b| b.hit_rate)
             })
         })
@@ -1061,7 +1071,7 @@ pub fn run(
                 };
                 tick(&format!(
                     "{} / {}{times} (round {})",
-                    qs.name,
+                    qs.label(),
                     front.name(),
                     round + 1
                 ));

@@ -13,7 +13,11 @@ pub const PEERS_NOTE: &str = "Peer routers: sglang-router 0.3.2, vllm-router 0.1
 /// the best peer under memory pressure, and against round-robin on the
 /// hot prompt.
 pub(crate) fn check_placement_targets(rows: &[QualityRow], c: &mut Vec<Check>) {
-    let single: Vec<&QualityRow> = rows.iter().filter(|r| r.replicas == 1).collect();
+    // Judged on the chat (other APIs: `crate::apis`).
+    let single: Vec<&QualityRow> = rows
+        .iter()
+        .filter(|r| r.replicas == 1 && r.api == testkit::workload::Api::Chat)
+        .collect();
     let row = |sc: &str, p: &str| {
         single
             .iter()
@@ -313,7 +317,13 @@ pub fn quality_markdown(q: &crate::quality::QualityCfg, rows: &[QualityRow]) -> 
         "s",
         "what",
     ]);
+    // A row run on several APIs is listed once.
+    let mut listed: Vec<&str> = Vec::new();
     for s in &q.scenarios {
+        if listed.contains(&s.name.as_str()) {
+            continue;
+        }
+        listed.push(&s.name);
         t.row(vec![
             s.name.clone(),
             format!("{} x {}", s.drive.engines, s.kv_blocks),
@@ -331,7 +341,11 @@ pub fn quality_markdown(q: &crate::quality::QualityCfg, rows: &[QualityRow]) -> 
     }
     let _ = writeln!(m, "{}", t.markdown());
     let several = rows.iter().any(|r| r.replicas > 1);
+    let apis = crate::apis::several(rows);
     let mut head = vec!["scenario", "router"];
+    if apis {
+        head.insert(1, "api");
+    }
     if several {
         head.push("replicas");
     }
@@ -352,6 +366,9 @@ pub fn quality_markdown(q: &crate::quality::QualityCfg, rows: &[QualityRow]) -> 
     let mut t = Table::new(&head);
     for x in rows {
         let mut line = vec![x.scenario.clone(), x.policy.clone()];
+        if apis {
+            line.insert(1, x.api.to_string());
+        }
         if several {
             line.push(x.replicas.to_string());
         }
@@ -412,6 +429,7 @@ pub fn quality_markdown(q: &crate::quality::QualityCfg, rows: &[QualityRow]) -> 
             "Each cell: hit rate · TTFT p50 / p99 ms · max/mean load.\n\n{PEERS_NOTE}\n"
         );
     }
+    m.push_str(&crate::apis::markdown(rows));
     m
 }
 

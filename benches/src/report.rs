@@ -143,9 +143,12 @@ impl BenchResults {
             );
         }
         let q = |p: &str| {
-            self.quality_rows
-                .iter()
-                .find(|r| r.scenario == "chat" && r.policy == p && r.replicas == 1)
+            self.quality_rows.iter().find(|r| {
+                r.scenario == "chat"
+                    && r.policy == p
+                    && r.replicas == 1
+                    && r.api == testkit::workload::Api::Chat
+            })
         };
         if let (Some(p), Some(rr)) = (q("prefix"), q("round-robin")) {
             let share = p.hit_rate / p.ceiling.max(1e-9);
@@ -170,6 +173,7 @@ impl BenchResults {
             );
         }
         crate::quality_report::check_placement_targets(&self.quality_rows, &mut c);
+        crate::apis::check_targets(&self.quality_rows, &mut c);
         self.checks = c;
     }
 
@@ -194,10 +198,13 @@ impl BenchResults {
             }
         }
         for q in &self.quality_rows {
-            let k = match q.replicas {
+            let mut k = match q.replicas {
                 1 => format!("{} {}", q.scenario, q.policy),
                 n => format!("{} {} x{n}", q.scenario, q.policy),
             };
+            if q.api != testkit::workload::Api::Chat {
+                k = format!("{k} on {}", q.api);
+            }
             f.insert(format!("{k} hit rate"), (q.hit_rate, true));
             f.insert(format!("{k} TTFT p50 ms"), (q.ttft_p50_ms, false));
         }

@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 use testkit::engine::block_hash::BLOCK_SIZE;
-use testkit::workload::{Scenario, ScenarioKind};
+use testkit::workload::{Api, Scenario, ScenarioKind};
 
 /// Mean think time between a conversation's turns, in simulated seconds:
 /// a person reads an answer and types the next question in a few seconds
@@ -62,6 +62,11 @@ pub struct QualityScenario {
     /// arrivals; the row's engines, capacity, duration and seed.
     #[serde(default)]
     pub alongside: Option<Box<QualityScenario>>,
+    /// The API its conversations (and the second workload's) are sent in
+    /// (`--api`; [`crate::apis`]): the same conversations on every API,
+    /// which the engines render to the same prompts.
+    #[serde(default)]
+    pub api: Api,
 }
 
 impl QualityScenario {
@@ -76,6 +81,15 @@ impl QualityScenario {
     /// Open-loop arrivals per real second at `time_scale`.
     pub fn rate(&self, time_scale: f64) -> Option<f64> {
         self.drive.arrivals_per_s.map(|r| r / time_scale.max(1e-9))
+    }
+
+    /// The row's name, with its API when that is not the chat (records'
+    /// files, progress).
+    pub fn label(&self) -> String {
+        match self.api {
+            Api::Chat => self.name.clone(),
+            api => format!("{}.{api}", self.name),
+        }
     }
 }
 
@@ -136,6 +150,7 @@ fn named(
             .map(String::from)
             .to_vec(),
         alongside: None,
+        api: Api::Chat,
     }
 }
 
@@ -263,6 +278,7 @@ pub fn lockstep(kind: ScenarioKind) -> QualityScenario {
         .map(String::from)
         .to_vec(),
         alongside: None,
+        api: Api::Chat,
     }
 }
 
@@ -329,6 +345,7 @@ fn templated_batch() -> QualityScenario {
             .map(String::from)
             .to_vec(),
         alongside: None,
+        api: Api::Chat,
     }
 }
 

@@ -134,6 +134,19 @@ struct QualityArgs {
     /// learn (`[replicas]`) unless the policy ends in @alone.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     replicas: Vec<usize>,
+    /// APIs, comma-separated: each scenario runs once per API, the same
+    /// conversations sent as chat completions (chat), Anthropic Messages
+    /// (messages), OpenAI Responses with the whole conversation each turn
+    /// (responses) or chained by previous_response_id (responses-chained);
+    /// the report sets them side by side.
+    #[arg(
+        long = "api",
+        visible_alias = "apis",
+        value_enum,
+        value_delimiter = ',',
+        default_value = "chat"
+    )]
+    apis: Vec<testkit::workload::Api>,
     #[command(flatten)]
     peers: PeersArgs,
     /// Seconds per run [default: each scenario's own].
@@ -393,6 +406,7 @@ fn quality_only(
         a.scenarios.clone()
     };
     qcfg.select(&scenarios)?;
+    qcfg.scenarios = router_benches::apis::per_api(std::mem::take(&mut qcfg.scenarios), &a.apis);
     qcfg.policies = a.policies.clone();
     if several && qcfg.policies.is_none() {
         qcfg.policies = Some(vec![
