@@ -347,11 +347,16 @@ async fn attempt(
             return Err(f);
         }
     };
+    // A request continuing a stored response: the engine's prompt is the
+    // stored conversation and this body, of which the router hashed only
+    // the body. Its usage says nothing of what the router predicted.
+    let continues = at.decision == Decision::Stored;
     if (200..300).contains(&answer.status) {
         if let Some(id) = &answer.response_id {
             router.stored_response(id, backend);
         }
         match answer.usage {
+            Reported::Valid(u) if continues => model.usage(u.prompt_tokens, u.cached_tokens),
             Reported::Valid(u) => {
                 router.observe_answer(backend, &c.blocks, at.matched_blocks, at.shared_blocks, u);
                 model.usage(u.prompt_tokens, u.cached_tokens);
@@ -373,6 +378,7 @@ async fn attempt(
         // the engine prefills; behind a queue it measures the queue.
         if answer.streaming
             && queued_ahead == 0
+            && !continues
             && let Some(t) = answer.first_body_at
         {
             backend

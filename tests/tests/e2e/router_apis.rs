@@ -402,3 +402,17 @@ fn replicas_share_stored_ids_so_any_replica_continues_a_chain() {
     let where_: BTreeSet<Vec<usize>> = ids.iter().map(|id| holders(&fleet, id)).collect();
     assert_eq!(where_.len(), 1, "{where_:?}");
 }
+
+#[test]
+fn a_chains_later_turns_teach_the_closed_loop_nothing() {
+    // The engine's prompt for a continued response is the stored
+    // conversation too, which the router never saw: its usage would read
+    // as evictions of what the router predicted.
+    let fleet = engines(1);
+    let r = Router::spawn(&urls(&fleet), &[], FAST_PROBES);
+    r.wait_models_known();
+    chain(&[r.addr], 6, "quiet");
+    let b = r.backend(&fleet[0].url());
+    assert_eq!(b["requests"], 6, "{b}");
+    assert_eq!(b["prediction"]["reports"], 1, "only the first turn: {b}");
+}
