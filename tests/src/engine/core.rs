@@ -61,6 +61,8 @@ struct Seq {
 pub struct StepPlan {
     /// Simulated duration in seconds (before --time-scale).
     pub dur_s: f64,
+    /// The part of `dur_s` spent computing prompt tokens.
+    pub prefill_s: f64,
     decodes: Vec<u64>,
     prefills: Vec<(u64, usize)>,
 }
@@ -249,13 +251,16 @@ impl Engine {
         let seqs = plan.decodes.len() + plan.prefills.len();
         plan.dur_s = t.step_s + t.per_seq_s * seqs as f64;
         if t.prefill_tps > 0.0 {
-            plan.dur_s += prefill_tokens as f64 / t.prefill_tps;
+            plan.prefill_s = prefill_tokens as f64 / t.prefill_tps;
+            plan.dur_s += plan.prefill_s;
         }
         Some(plan)
     }
 
     /// Applies a planned step that ended at `at`.
     pub fn apply_step(&mut self, plan: &StepPlan, at: Instant) {
+        self.metrics.busy_seconds += plan.dur_s;
+        self.metrics.prefill_seconds += plan.prefill_s;
         for &(id, chunk) in &plan.prefills {
             let Some(s) = self.seqs.get_mut(&id) else {
                 continue;
@@ -431,6 +436,28 @@ mod tests {
             })
         );
         assert_eq!(e.cache.used_blocks(), 0);
+    }
+
+    #[test]
+    fn busy_time_is_every_step_s_duration_and_prefill_its_prompt_part() {
+        // 250 prompt tokens at 1,000 tok/s in 3 chunks, then 3 decodes:
+        // 6 steps of 10 ms + 1 ms for the one sequence, plus 0.25 s.
+        let mut e = engine(&[
+            "--max-num-batched-tokens",
+            "100",
+            "--prefill-tps",
+            "1000",
+            "--decode-step-ms",
+            "10",
+            "--decode-step-per-seq-ms",
+            "1",
+        ]);
+        let _rx = e.submit(prompt(250), 4, Instant::now());
+        drain(&mut e);
+        assert!((e.metrics.prefill_seconds - 0.25).abs() < 1e-9);
+        assert!((e.metrics.busy_seconds - (0.25 + 6.0 * 0.011)).abs() < 1e-9);
+        let text = e.metrics.render("m", &e.gauges());
+        assert!(text.contains("sim_engine_prefill_seconds_total{model_name=\"m\"} 0.25\n"));
     }
 
     #[test]

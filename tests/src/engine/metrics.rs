@@ -68,6 +68,11 @@ pub struct Metrics {
     pub prompt_tokens: u64,
     pub generation_tokens: u64,
     pub requests_success: u64,
+    /// Simulated seconds the engine spent stepping (before `--time-scale`:
+    /// GPU time in the timing model), all steps.
+    pub busy_seconds: f64,
+    /// The part of `busy_seconds` spent computing prompt tokens.
+    pub prefill_seconds: f64,
     pub ttft: Histogram,
     pub e2e: Histogram,
 }
@@ -80,6 +85,8 @@ impl Default for Metrics {
             prompt_tokens: 0,
             generation_tokens: 0,
             requests_success: 0,
+            busy_seconds: 0.0,
+            prefill_seconds: 0.0,
             ttft: Histogram::new(TTFT_BUCKETS),
             e2e: Histogram::new(E2E_BUCKETS),
         }
@@ -136,6 +143,13 @@ impl Metrics {
             "# TYPE vllm:request_success_total counter\nvllm:request_success_total{{{l},finished_reason=\"length\"}} {}",
             self.requests_success
         );
+        // Not vLLM's: the simulated GPU time, what a request costs.
+        for (name, v) in [
+            ("sim_engine_busy_seconds_total", self.busy_seconds),
+            ("sim_engine_prefill_seconds_total", self.prefill_seconds),
+        ] {
+            let _ = writeln!(o, "# TYPE {name} counter\n{name}{{{l}}} {v}");
+        }
         self.ttft
             .render(&mut o, "vllm:time_to_first_token_seconds", &l);
         self.e2e
