@@ -212,6 +212,7 @@ mod tests {
             user: session,
             session,
             turn,
+            turns: 2,
             prefix_id: prefix,
             start_ms: start,
             ttft_ms: Some(1.0),

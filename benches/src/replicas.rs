@@ -407,6 +407,7 @@ mod tests {
             user: 0,
             session: 0,
             turn: 1,
+            turns: 1,
             prefix_id: 0,
             start_ms,
             ttft_ms: Some(1.0),

@@ -15,6 +15,10 @@ pub struct Record {
     pub session: u64,
     /// 1-based request number within the session.
     pub turn: u32,
+    /// Requests the session sends in all when no run's end cuts it short
+    /// (0 in records written before it was recorded).
+    #[serde(default)]
+    pub turns: u32,
     /// Which shared prefix (system prompt, template, document, toolset).
     pub prefix_id: u32,
     /// Milliseconds since the run started.
@@ -33,7 +37,8 @@ pub struct Record {
     pub local_prompt_tokens: u64,
     /// Tokens an unbounded single cache would have hit.
     pub ceiling_cached_tokens: u64,
-    /// The `x-engine-id` response header.
+    /// The `x-engine-id` response header, when the server passes it on
+    /// (prefix-router does only with `--debug-headers`).
     pub instance: Option<String>,
     /// Which of the run's targets (router replicas) it was sent to, when
     /// there were several.
@@ -97,10 +102,17 @@ pub struct Summary {
     pub ceiling_hit_rate: f64,
     pub ttft_ms: Percentiles,
     pub latency_ms: Percentiles,
-    /// Successful requests per `x-engine-id`.
+    /// Successful requests per `x-engine-id`, of those that carried one
+    /// (empty behind a router that does not pass it on; a harness that
+    /// asks the engines fills it from their own counts).
     pub per_instance: BTreeMap<String, u64>,
     /// Busiest instance's requests over the mean (1.0 = perfectly even).
     pub load_max_mean_ratio: f64,
+    /// Conversations served: each session's answered turns over the turns
+    /// it was to send, summed (a conversation the run's end cut short
+    /// counts as that share of one; a session of unknown length as one).
+    #[serde(default)]
+    pub conversations: f64,
 }
 
 impl Summary {
@@ -112,16 +124,15 @@ impl Summary {
         let local: u64 = ok.iter().map(|r| r.local_prompt_tokens).sum();
         let ceiling: u64 = ok.iter().map(|r| r.ceiling_cached_tokens).sum();
         let mut per_instance = BTreeMap::new();
-        for r in &ok {
-            *per_instance
-                .entry(r.instance.clone().unwrap_or_else(|| "unknown".into()))
-                .or_insert(0u64) += 1;
+        for id in ok.iter().filter_map(|r| r.instance.as_ref()) {
+            *per_instance.entry(id.clone()).or_insert(0u64) += 1;
         }
         let load_max_mean_ratio = if per_instance.is_empty() {
             0.0
         } else {
             let max = *per_instance.values().max().unwrap_or(&0) as f64;
-            max / (ok.len() as f64 / per_instance.len() as f64)
+            let attributed: u64 = per_instance.values().sum();
+            max / (attributed as f64 / per_instance.len() as f64)
         };
         let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
         let secs = duration_s.max(1e-9);
@@ -141,8 +152,28 @@ impl Summary {
             latency_ms: Percentiles::of(ok.iter().map(|r| r.latency_ms).collect()),
             per_instance,
             load_max_mean_ratio,
+            conversations: conversations(&ok),
         }
     }
+}
+
+/// Each session's answered turns over its length, summed.
+fn conversations(ok: &[&Record]) -> f64 {
+    let mut sessions: BTreeMap<u64, (u32, u32)> = BTreeMap::new();
+    for r in ok {
+        let s = sessions.entry(r.session).or_insert((0, r.turns));
+        s.0 += 1;
+    }
+    sessions
+        .values()
+        .map(|&(answered, turns)| {
+            if turns == 0 {
+                1.0
+            } else {
+                f64::from(answered.min(turns)) / f64::from(turns)
+            }
+        })
+        .sum()
 }
 
 impl fmt::Display for Summary {
@@ -172,6 +203,11 @@ impl fmt::Display for Summary {
             self.prompt_tokens,
             self.ceiling_hit_rate * 100.0
         )?;
+        writeln!(
+            f,
+            "conversations   {:.1} (a conversation cut short counts as its share answered)",
+            self.conversations
+        )?;
         writeln!(f, "TTFT ms         {}", p(&self.ttft_ms))?;
         writeln!(f, "latency ms      {}", p(&self.latency_ms))?;
         write!(f, "per instance    ")?;
@@ -191,5 +227,47 @@ mod tests {
         let p = Percentiles::of((1..=100).map(f64::from).collect());
         assert_eq!((p.p50, p.p90, p.p99, p.max), (50.0, 90.0, 99.0, 100.0));
         assert_eq!(Percentiles::of(vec![]).p50, 0.0);
+    }
+
+    fn rec(session: u64, turn: u32, turns: u32, instance: Option<&str>) -> Record {
+        Record {
+            seq: 0,
+            scenario: "chat".into(),
+            user: 0,
+            session,
+            turn,
+            turns,
+            prefix_id: 0,
+            start_ms: 0.0,
+            ttft_ms: Some(1.0),
+            end_ms: 2.0,
+            latency_ms: 2.0,
+            status: 200,
+            error: None,
+            prompt_tokens: 100,
+            cached_tokens: 50,
+            completion_tokens: 10,
+            local_prompt_tokens: 100,
+            ceiling_cached_tokens: 50,
+            instance: instance.map(String::from),
+            replica: None,
+        }
+    }
+
+    #[test]
+    fn a_conversation_cut_short_counts_as_its_share_answered() {
+        let mut v = vec![rec(1, 1, 2, None), rec(1, 2, 2, None), rec(2, 1, 4, None)];
+        let mut failed = rec(2, 2, 4, None);
+        failed.status = 503;
+        v.push(failed);
+        let s = Summary::from_records("chat", &v, 1.0);
+        assert_eq!(s.conversations, 1.25);
+        assert!(s.per_instance.is_empty(), "no engine named, none made up");
+        assert_eq!(s.load_max_mean_ratio, 0.0);
+        v.push(rec(3, 1, 0, Some("e0")));
+        let s = Summary::from_records("chat", &v, 1.0);
+        assert_eq!(s.conversations, 2.25, "a session of unknown length is one");
+        assert_eq!(s.per_instance.len(), 1);
+        assert_eq!(s.load_max_mean_ratio, 1.0);
     }
 }

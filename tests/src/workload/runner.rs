@@ -226,6 +226,7 @@ impl Ctx {
                 user,
                 session: session_id,
                 turn: s.turn,
+                turns: s.turns(),
                 prefix_id: s.prefix_id,
                 start_ms: self.ms(start),
                 ttft_ms: o

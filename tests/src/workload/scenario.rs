@@ -334,6 +334,11 @@ impl Session {
         }
     }
 
+    /// Requests the session sends in all.
+    pub fn turns(&self) -> u32 {
+        self.turns
+    }
+
     /// Whether more requests follow.
     pub fn has_more(&self) -> bool {
         self.turn < self.turns
