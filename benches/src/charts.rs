@@ -2,6 +2,7 @@
 //! system libraries needed).
 
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -166,5 +167,95 @@ pub fn hit_rate_bars(path: &Path, bars: &[(String, f64, f64)]) -> Res {
             )])
             .map_err(err)?;
     }
+    root.present().map_err(err)
+}
+
+/// Each router against round-robin: one group of bars per router, one bar
+/// per figure (`names`), each the percent change against round-robin's
+/// (below zero: cheaper or sooner), its value written on it.
+pub fn versus_bars(path: &Path, names: &[&str], groups: &[(String, Vec<Option<f64>>)]) -> Res {
+    let root = SVGBackend::new(path, (900, 480)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let values = groups.iter().flat_map(|(_, v)| v.iter().flatten());
+    let lo = values.clone().fold(0.0_f64, |a, &v| a.min(v * 100.0));
+    let hi = values.fold(0.0_f64, |a, &v| a.max(v * 100.0));
+    let pad = ((hi - lo) * 0.15).max(5.0);
+    // Room above the bars for the legend.
+    let (lo, hi) = (lo - pad, hi + pad + (hi - lo + 2.0 * pad) * 0.4);
+    let n = groups.len().max(1);
+    let labels: Vec<String> = groups.iter().map(|g| g.0.clone()).collect();
+    let mut chart = ChartBuilder::on(&root)
+        .caption(
+            "Against round-robin: cost per conversation and TTFT (% change; below 0 is better)",
+            ("sans-serif", 18),
+        )
+        .margin(14)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(0.0..n as f64, lo..hi)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(n * 2 + 1)
+        .x_label_formatter(&|x| {
+            let i = x.floor() as usize;
+            if (x - i as f64 - 0.5).abs() < 0.26 {
+                labels.get(i).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .y_desc("% against round-robin")
+        .draw()
+        .map_err(err)?;
+    chart
+        .draw_series(LineSeries::new([(0.0, 0.0), (n as f64, 0.0)], BLACK))
+        .map_err(err)?;
+    let k = names.len().max(1) as f64;
+    let width = 0.8 / k;
+    for (j, name) in names.iter().enumerate() {
+        let color = Palette99::pick(j).to_rgba();
+        let mut bars = Vec::new();
+        let mut texts = Vec::new();
+        for (i, (_, v)) in groups.iter().enumerate() {
+            let Some(v) = v.get(j).copied().flatten() else {
+                continue;
+            };
+            let x0 = i as f64 + 0.1 + j as f64 * width;
+            let y = v * 100.0;
+            bars.push(Rectangle::new(
+                [(x0 + 0.01, 0.0), (x0 + width - 0.01, y)],
+                color.filled(),
+            ));
+            // Written just past the bar's end: above it, or below it.
+            let (at, v) = if y < 0.0 {
+                (y - pad * 0.1, VPos::Top)
+            } else {
+                (y + pad * 0.1, VPos::Bottom)
+            };
+            let style = ("sans-serif", 13)
+                .into_text_style(&root)
+                .pos(Pos::new(HPos::Left, v));
+            texts.push(Text::new(
+                crate::table::signed(Some(y / 100.0)),
+                (x0 + 0.01, at),
+                style,
+            ));
+        }
+        chart
+            .draw_series(bars)
+            .map_err(err)?
+            .label(*name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
+        chart.draw_series(texts).map_err(err)?;
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)?;
     root.present().map_err(err)
 }

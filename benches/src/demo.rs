@@ -2,10 +2,13 @@
 //! prefix-router in front, and a multi-turn chat workload with shared system
 //! prompts (people thinking between turns) replayed through each policy, and
 //! through the peer routers when they are installed, against freshly started
-//! engines. Prints a table per policy and writes a Markdown report with SVG
-//! charts.
+//! engines. Prints a table per policy and what a conversation cost the
+//! engines under each against round-robin, and writes a Markdown report
+//! with SVG charts. Per-engine figures come from the engines' own
+//! `/metrics` ([`crate::engine_metrics`]).
 
 use crate::charts;
+use crate::cost::{self, Cost, Figures};
 use crate::fleet::Bins;
 use crate::peers::{Peer, Venv};
 use crate::quality::{self, Drive, Front, PolicyRun, QualityScenario, Timing};
@@ -95,12 +98,32 @@ pub struct DemoPolicy {
     /// policy's trace ([`crate::pooled`]).
     #[serde(default)]
     pub pooled: Option<f64>,
+    /// What a conversation cost the engines ([`crate::cost`]).
+    #[serde(default)]
+    pub cost: Option<Cost>,
+}
+
+impl DemoPolicy {
+    fn figures(&self) -> Figures {
+        Figures {
+            cost: self.cost,
+            ttft_p50_ms: self.summary.ttft_ms.p50,
+            ttft_p90_ms: self.summary.ttft_ms.p90,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct DemoResults {
     pub cfg: DemoCfg,
     pub policies: Vec<DemoPolicy>,
+}
+
+impl DemoResults {
+    /// The baseline's row, round-robin's, when it ran.
+    pub fn baseline(&self) -> Option<&DemoPolicy> {
+        self.policies.iter().find(|p| p.policy == cost::BASELINE)
+    }
 }
 
 /// Runs the demo (the peers too when `venv` is given and `cfg.peers` lists
@@ -160,10 +183,14 @@ pub fn run(bins: &Bins, cfg: &DemoCfg, venv: Option<&Venv>, out: &Path) -> anyho
         let _ = ticker.join();
         let r = r?;
         pb.println(format!(
-            "{policy}: {} requests, hit rate {}, TTFT p50 {:.1} ms",
+            "{policy}: {} requests, hit rate {}, TTFT p50 {:.1} ms, per conversation {}",
             r.summary.ok,
             pct(r.summary.hit_rate),
-            r.summary.ttft_ms.p50
+            r.summary.ttft_ms.p50,
+            r.cost().map_or("-".into(), |c| format!(
+                "{:.0} prompt tokens computed, {:.2} engine GPU s",
+                c.computed_tokens, c.busy_s
+            ))
         ));
         runs.push(r);
     }
@@ -190,6 +217,7 @@ pub fn run(bins: &Bins, cfg: &DemoCfg, venv: Option<&Venv>, out: &Path) -> anyho
                     cfg.drive.engines * cfg.kv_blocks,
                     row.scenario.max_tokens as usize,
                 ),
+                cost: r.cost(),
             })
             .collect(),
     };
@@ -212,9 +240,40 @@ pub fn run(bins: &Bins, cfg: &DemoCfg, venv: Option<&Venv>, out: &Path) -> anyho
     charts::ttft_cdf(&out.join("ttft.svg"), &ttft)?;
     let load: Vec<_> = runs
         .iter()
-        .map(|r| (r.policy.clone(), quality::load_over_time(&r.records, 0.5)))
+        .map(|r| (r.policy.clone(), r.load.clone()))
         .collect();
     charts::load_over_time(&out.join("load.svg"), &load)?;
+    if let Some(base) = results.baseline() {
+        let groups: Vec<(String, Vec<Option<f64>>)> = results
+            .policies
+            .iter()
+            .filter(|p| p.policy != cost::BASELINE)
+            .map(|p| {
+                let v = p.figures().versus(&base.figures());
+                // Savings drawn as the cost's change: below zero is cheaper.
+                let down = |s: Option<f64>| s.map(|s| -s);
+                (
+                    p.policy.clone(),
+                    vec![
+                        down(v.tokens_saving),
+                        down(v.busy_saving),
+                        v.ttft_p50,
+                        v.ttft_p90,
+                    ],
+                )
+            })
+            .collect();
+        charts::versus_bars(
+            &out.join("cost.svg"),
+            &[
+                "prompt tokens computed / conversation",
+                "engine GPU s / conversation",
+                "TTFT p50",
+                "TTFT p90",
+            ],
+            &groups,
+        )?;
+    }
     let bars: Vec<_> = runs
         .iter()
         .map(|r| {
@@ -228,9 +287,12 @@ pub fn run(bins: &Bins, cfg: &DemoCfg, venv: Option<&Venv>, out: &Path) -> anyho
     charts::hit_rate_bars(&out.join("hit-rate.svg"), &bars)?;
 
     let table = table(&results);
+    let costs = cost_table(&results);
     println!("\n{}", table.text());
+    println!("Cost per conversation:\n{}", costs.text());
+    println!("{}", headline(&results));
     let report = out.join("report.md");
-    std::fs::write(&report, markdown(&results, &table))?;
+    std::fs::write(&report, markdown(&results, &table, &costs))?;
     Ok(report)
 }
 
@@ -278,11 +340,61 @@ pub fn table(r: &DemoResults) -> Table {
     t
 }
 
-fn markdown(r: &DemoResults, table: &Table) -> String {
+/// What a conversation cost under each policy, against round-robin.
+pub fn cost_table(r: &DemoResults) -> Table {
+    let mut t = cost::table(&["policy"]);
+    let base = r.baseline().map(DemoPolicy::figures);
+    for p in &r.policies {
+        let mut line = vec![p.policy.clone()];
+        line.extend(cost::cells(&p.figures(), base.as_ref()));
+        t.row(line);
+    }
+    t
+}
+
+/// The report's first paragraph: each policy's cost per conversation and
+/// TTFT against round-robin's, in words.
+pub fn headline(r: &DemoResults) -> String {
+    let Some(base) = r.baseline() else {
+        return format!(
+            "Cost per conversation: no {} run to set the policies against.",
+            cost::BASELINE
+        );
+    };
+    let Some(bc) = base.cost else {
+        return format!("Cost per conversation: {} served none.", cost::BASELINE);
+    };
+    let mut m = format!(
+        "**What a conversation cost.** Under {}, a conversation made the engines compute {:.0} prompt tokens and kept them busy {:.2} GPU seconds.",
+        cost::BASELINE,
+        bc.computed_tokens,
+        bc.busy_s
+    );
+    for p in r.policies.iter().filter(|p| p.policy != cost::BASELINE) {
+        let Some(c) = p.cost else { continue };
+        let v = p.figures().versus(&base.figures());
+        let _ = write!(
+            m,
+            " Under {}: {:.0} tokens and {:.2} GPU seconds, {} prompt computation and {} engine time; TTFT p50 {}, p90 {} against {}'s.",
+            p.policy,
+            c.computed_tokens,
+            c.busy_s,
+            cost::less(v.tokens_saving),
+            cost::less(v.busy_saving),
+            cost::signed(v.ttft_p50),
+            cost::signed(v.ttft_p90),
+            cost::BASELINE
+        );
+    }
+    m
+}
+
+fn markdown(r: &DemoResults, table: &Table, costs: &Table) -> String {
     let c = &r.cfg;
     let sc = c.scenario();
     let mut m = String::new();
     let _ = writeln!(m, "# prefix-router demo\n");
+    let _ = writeln!(m, "{}\n", headline(r));
     let _ = writeln!(
         m,
         "{} simulated vLLM engines (`sim-engine`), each started fresh for every policy, with {} KV-cache blocks of 16 tokens; timing model: {}.\n",
@@ -304,6 +416,13 @@ fn markdown(r: &DemoResults, table: &Table) -> String {
         c.drive.duration_s,
         c.drive.seed
     );
+    let _ = writeln!(m, "## Cost per conversation\n");
+    let _ = writeln!(m, "{}", costs.markdown());
+    let _ = writeln!(m, "{}\n", cost::NOTE);
+    if r.baseline().is_some() {
+        let _ = writeln!(m, "![against round-robin](cost.svg)\n");
+    }
+    let _ = writeln!(m, "## Every figure\n");
     let _ = writeln!(m, "{}", table.markdown());
     if !c.peers.is_empty() {
         let _ = writeln!(m, "{}\n", crate::quality_report::PEERS_NOTE);
@@ -328,7 +447,11 @@ fn markdown(r: &DemoResults, table: &Table) -> String {
     }
     let _ = writeln!(m, "## Time to first token\n\n![TTFT](ttft.svg)\n");
     let _ = writeln!(m, "## Hit rate per policy\n\n![hit rate](hit-rate.svg)\n");
-    let _ = writeln!(m, "## Load per engine over time\n\n![load](load.svg)\n");
+    let _ = writeln!(
+        m,
+        "## Load per engine over time\n\n![load](load.svg)\n\nEach engine's requests in flight (running and waiting), read from its own `/metrics` every {} ms; requests per engine, as the engines counted them, are `per_instance` in `results.json`.\n",
+        crate::engine_metrics::LOAD_STEP.as_millis()
+    );
     let _ = writeln!(
         m,
         "Per-request records: `records-<policy>.jsonl`; figures: `results.json`."

@@ -14,6 +14,11 @@
 //! - [`nginx`]: the baseline proxy's config;
 //! - [`body`]: request bodies of a given size;
 //! - [`overhead`], [`quality`], [`demo`]: the three measurements;
+//! - [`engine_metrics`]: what the engines say of themselves on `/metrics`
+//!   (their work over a run, their requests in flight over time), so no
+//!   router's response headers are needed to tell the engines apart;
+//! - [`cost`]: a conversation's cost to the engines (prompt tokens
+//!   computed, busy seconds) and the saving against round-robin;
 //! - [`llama`]: routing quality on real llama.cpp servers (real prefill on
 //!   this CPU), several seeds, with its own report;
 //! - [`scenarios`]: the quality bench's rows (named production-shaped
@@ -40,8 +45,10 @@ pub mod apis;
 pub mod bandwidth;
 pub mod body;
 pub mod charts;
+pub mod cost;
 pub mod cpu;
 pub mod demo;
+pub mod engine_metrics;
 pub mod fleet;
 pub mod llama;
 pub mod loadgen;

@@ -7,10 +7,11 @@ use crate::fleet::{self, Bins, Engine, Router};
 use crate::peers::{Peer, PeerRouter, Venv};
 pub use crate::scenarios::{Drive, QualityScenario, kv_blocks_for, scenario_for};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
+use crate::cost::Cost;
+use crate::engine_metrics::{LoadSampler, Work};
 use anyhow::Context;
 use testkit::workload::{Record, RunConfig, Summary};
 
@@ -320,6 +321,12 @@ pub struct PolicyRun {
     pub routing: RoutingTime,
     /// Inference requests each engine completed during the workload.
     pub per_engine: Vec<u64>,
+    /// What the engines did during the workload, all together, by their
+    /// own counters.
+    pub work: Work,
+    /// Each engine's requests in flight over the run, by its id, sampled
+    /// from its own gauges.
+    pub load: crate::charts::Series,
     /// The replica killed and started again mid-run (`--restart-replica`).
     pub restart: Option<crate::replicas::RestartFigures>,
     /// What each sharing replica's stream published during the workload.
@@ -332,6 +339,11 @@ impl PolicyRun {
     pub fn load_max_mean(&self) -> f64 {
         max_over_mean(&self.per_engine)
     }
+
+    /// What a conversation cost the engines in this run.
+    pub fn cost(&self) -> Option<Cost> {
+        Cost::of(&self.work, self.summary.conversations)
+    }
 }
 
 /// The largest count over the mean (1.0 = perfectly even; 0 when empty).
@@ -342,18 +354,6 @@ pub fn max_over_mean(counts: &[u64]) -> f64 {
         return 0.0;
     }
     max as f64 / (total as f64 / counts.len() as f64)
-}
-
-/// `vllm:request_success_total` of an engine (0 when unreadable).
-fn engine_requests(e: &Engine) -> u64 {
-    let Ok(r) = testkit::http::request(e.addr, "GET", "/metrics", &[], b"") else {
-        return 0;
-    };
-    String::from_utf8_lossy(&r.body)
-        .lines()
-        .filter(|l| l.starts_with("vllm:request_success_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
 }
 
 /// The served model of an engine (`GET /v1/models`), asked of the engine
@@ -570,7 +570,7 @@ pub fn run_one(
         }
         (Front::Policy(p), None) => anyhow::bail!("front {p} not parsed"),
     };
-    let before: Vec<u64> = engines.iter().map(engine_requests).collect();
+    let before: Vec<Work> = engines.iter().map(Work::read).collect();
     // Sharing replicas: their streams' counters as the traffic starts.
     let share = replicas > 1 && parsed.is_some_and(|f| !f.alone);
     let ours = |r: &Running| match r {
@@ -585,6 +585,7 @@ pub fn run_one(
     let restart_at = restart_at_s.filter(|_| share);
     let gate = std::sync::Arc::new(testkit::workload::ReplicaGate::new(replicas));
     let epoch = std::time::Instant::now();
+    let sampler = LoadSampler::start(&engines, epoch);
     let drive = |part: &QualityScenario, seed: u64| {
         let mut cfg = RunConfig::new(routers[0].url(), part.scaled(timing.time_scale));
         cfg.replicas = routers[1..].iter().map(Running::url).collect();
@@ -636,6 +637,7 @@ pub fn run_one(
             .unwrap_or_else(|_| Err(anyhow::anyhow!("the workload thread panicked")));
         (ran, restarted)
     });
+    let load = sampler.finish();
     let (records, mut summary) = ran?;
     let restarted = restarted?;
     summary.scenario = qs.name.clone();
@@ -685,14 +687,20 @@ pub fn run_one(
         };
         write_records(Path::new(&dir), &qs.label(), &name, &records)?;
     }
-    let per_engine: Vec<u64> = engines
+    let each: Vec<Work> = engines
         .iter()
         .zip(&before)
-        .map(|(e, b)| engine_requests(e).saturating_sub(*b))
+        .map(|(e, b)| Work::read(e).since(b))
         .collect();
+    let per_engine: Vec<u64> = each.iter().map(|w| w.requests).collect();
     // The engines' own counts: the same for every router, whatever
     // response headers it passes on.
     summary.load_max_mean_ratio = max_over_mean(&per_engine);
+    summary.per_instance = engines
+        .iter()
+        .map(|e| e.id.clone())
+        .zip(per_engine.iter().copied())
+        .collect();
     if let Some(Running::Ours(r)) = routers.first() {
         print_learned_capacity(r, qs);
     }
@@ -714,6 +722,8 @@ pub fn run_one(
         records,
         routing,
         per_engine,
+        work: Work::sum(&each),
+        load,
         restart,
         bandwidth,
     })
@@ -772,6 +782,9 @@ pub struct QualityRow {
     pub rps: f64,
     /// Busiest engine's requests over the mean, as the engines counted them.
     pub load_max_mean: f64,
+    /// What a conversation cost the engines ([`crate::cost`]).
+    #[serde(default)]
+    pub cost: Option<Cost>,
     pub routing: RoutingTime,
     /// Each run's replica killed and started again (`--restart-replica`).
     #[serde(default)]
@@ -805,6 +818,16 @@ impl QualityRow {
         r.latency_p99_ms = m(|x| x.latency_p99_ms);
         r.rps = m(|x| x.rps);
         r.load_max_mean = m(|x| x.load_max_mean);
+        let costs: Vec<Cost> = runs.iter().filter_map(|x| x.cost).collect();
+        r.cost = (!costs.is_empty()).then(|| {
+            let m = |f: fn(&Cost) -> f64| median(costs.iter().map(f).collect());
+            Cost {
+                conversations: m(|c| c.conversations),
+                computed_tokens: m(|c| c.computed_tokens),
+                busy_s: m(|c| c.busy_s),
+                prefill_s: m(|c| c.prefill_s),
+            }
+        });
         r.routing.mean_us = m(|x| x.routing.mean_us);
         r.routing.p99_le_us = m(|x| x.routing.p99_le_us);
         r.restarts = runs.iter().flat_map(|x| x.restarts.clone()).collect();
@@ -819,6 +842,15 @@ impl QualityRow {
             })
             .collect();
         r
+    }
+
+    /// The figures the cost table sets against round-robin's.
+    pub fn figures(&self) -> crate::cost::Figures {
+        crate::cost::Figures {
+            cost: self.cost,
+            ttft_p50_ms: self.ttft_p50_ms,
+            ttft_p90_ms: self.ttft_p90_ms,
+        }
     }
 
     pub fn of(run: &PolicyRun, qs: &QualityScenario) -> QualityRow {
@@ -851,6 +883,7 @@ impl QualityRow {
             latency_p99_ms: s.latency_ms.p99,
             rps: s.throughput_rps,
             load_max_mean: run.load_max_mean(),
+            cost: run.cost(),
             routing: run.routing,
             restarts: run.restart.iter().cloned().collect(),
             bandwidth: run.bandwidth.clone(),
@@ -1094,24 +1127,6 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Requests in flight on each engine over time, sampled every `step_s`.
-pub fn load_over_time(records: &[Record], step_s: f64) -> BTreeMap<String, Vec<(f64, f64)>> {
-    let end_s = records.iter().map(|r| r.end_ms).fold(0.0, f64::max) / 1e3;
-    let steps = ((end_s / step_s).ceil() as usize).min(100_000);
-    let mut out: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
-    for r in records.iter().filter(|r| r.ok()) {
-        let id = r.instance.clone().unwrap_or_else(|| "unknown".into());
-        let series = out
-            .entry(id)
-            .or_insert_with(|| (0..=steps).map(|i| (i as f64 * step_s, 0.0)).collect());
-        let (a, b) = (r.start_ms / 1e3, r.end_ms / 1e3);
-        for p in series.iter_mut().filter(|p| p.0 >= a && p.0 < b) {
-            p.1 += 1.0;
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1218,6 +1233,8 @@ mod tests {
             records: Vec::new(),
             routing: RoutingTime::default(),
             per_engine: vec![5, 5],
+            work: Work::default(),
+            load: Default::default(),
             restart: None,
             bandwidth: Vec::new(),
         };
@@ -1299,6 +1316,8 @@ mod tests {
                     records: Vec::new(),
                     routing: RoutingTime::default(),
                     per_engine: vec![1],
+                    work: Work::default(),
+                    load: Default::default(),
                     restart: None,
                     bandwidth: Vec::new(),
                 },

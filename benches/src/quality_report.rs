@@ -393,6 +393,9 @@ pub fn quality_markdown(q: &crate::quality::QualityCfg, rows: &[QualityRow]) -> 
         t.row(line);
     }
     let _ = writeln!(m, "{}", t.markdown());
+    let _ = writeln!(m, "### Cost per conversation\n");
+    let _ = writeln!(m, "{}", cost_table(rows).markdown());
+    let _ = writeln!(m, "{}\n", crate::cost::NOTE);
     if several {
         let _ = writeln!(m, "### Router replicas\n");
         let _ = writeln!(m, "{}\n", replicas_side_by_side(rows).markdown());
@@ -431,6 +434,32 @@ pub fn quality_markdown(q: &crate::quality::QualityCfg, rows: &[QualityRow]) -> 
     }
     m.push_str(&crate::apis::markdown(rows));
     m
+}
+
+/// What a conversation cost under each router on each scenario, against
+/// round-robin's row on the same scenario (at the same replica count, else
+/// its one-replica row).
+pub fn cost_table(rows: &[QualityRow]) -> Table {
+    let several = rows.iter().any(|r| r.replicas > 1);
+    let mut lead = vec!["scenario", "router"];
+    if several {
+        lead.push("replicas");
+    }
+    let mut t = crate::cost::table(&lead);
+    for x in rows {
+        let base = rows
+            .iter()
+            .filter(|b| b.scenario == x.scenario && b.policy == crate::cost::BASELINE)
+            .min_by_key(|b| (b.replicas != x.replicas, b.replicas))
+            .map(QualityRow::figures);
+        let mut line = vec![x.scenario.clone(), x.policy.clone()];
+        if several {
+            line.push(x.replicas.to_string());
+        }
+        line.extend(crate::cost::cells(&x.figures(), base.as_ref()));
+        t.row(line);
+    }
+    t
 }
 
 /// How a row is driven, for the scenarios' table: users, or the open

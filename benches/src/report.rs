@@ -207,6 +207,16 @@ impl BenchResults {
             }
             f.insert(format!("{k} hit rate"), (q.hit_rate, true));
             f.insert(format!("{k} TTFT p50 ms"), (q.ttft_p50_ms, false));
+            if let Some(c) = q.cost {
+                f.insert(
+                    format!("{k} prompt tokens computed per conversation"),
+                    (c.computed_tokens, false),
+                );
+                f.insert(
+                    format!("{k} engine GPU s per conversation"),
+                    (c.busy_s, false),
+                );
+            }
         }
         f
     }

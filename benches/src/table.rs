@@ -8,6 +8,34 @@ pub fn pct(x: f64) -> String {
     format!("{:.1}%", x * 100.0)
 }
 
+/// A share in whole percent, never `-0`.
+fn whole(v: f64) -> f64 {
+    (v * 100.0).round() + 0.0
+}
+
+/// A share as a signed whole percent (`-42%`, `0%`), `-` when absent.
+pub fn signed(x: Option<f64>) -> String {
+    match x.map(whole) {
+        None => "-".into(),
+        Some(0.0) => "0%".into(),
+        Some(v) => format!("{v:+.0}%"),
+    }
+}
+
+/// A saving as a percent (`38%`, `-5%` when dearer), `-` when absent.
+pub fn percent(x: Option<f64>) -> String {
+    x.map(whole).map_or("-".into(), |v| format!("{v:.0}%"))
+}
+
+/// A saving in words: `38% less`, `5% more`.
+pub fn less(x: Option<f64>) -> String {
+    match x.map(whole) {
+        None => "-".into(),
+        Some(v) if v < 0.0 => format!("{:.0}% more", -v),
+        Some(v) => format!("{v:.0}% less"),
+    }
+}
+
 /// A table printable as aligned text or Markdown.
 pub struct Table {
     head: Vec<String>,

@@ -57,6 +57,7 @@ fn tiny_demo_writes_a_report_with_charts() {
         "ttft.svg",
         "load.svg",
         "hit-rate.svg",
+        "cost.svg",
         "results.json",
     ] {
         assert!(out.join(f).exists(), "{f} missing in {}", out.display());
@@ -66,19 +67,106 @@ fn tiny_demo_writes_a_report_with_charts() {
     let policies = r["policies"].as_array().unwrap();
     assert_eq!(policies.len(), 3);
     for p in policies {
-        assert!(p["summary"]["ok"].as_u64().unwrap() > 0, "{p}");
+        let ok = p["summary"]["ok"].as_u64().unwrap();
+        assert!(ok > 0, "{p}");
         assert_eq!(p["summary"]["errors"].as_u64(), Some(0), "{p}");
         let pooled = p["pooled"].as_f64().unwrap_or_else(|| panic!("{p}"));
         assert!(
             pooled > 0.0 && pooled <= p["summary"]["ceiling_hit_rate"].as_f64().unwrap() + 0.01
         );
+        // Every engine named by its own count, none left unattributed.
+        let per = p["summary"]["per_instance"].as_object().unwrap();
+        let names: Vec<&str> = per.keys().map(String::as_str).collect();
+        assert_eq!(names, ["engine-0", "engine-1"], "{p}");
+        let counted: u64 = per.values().map(|v| v.as_u64().unwrap()).sum();
+        assert_eq!(
+            counted, ok,
+            "the engines completed what the client got: {p}"
+        );
+        let cost = &p["cost"];
+        for k in ["conversations", "computed_tokens", "busy_s", "prefill_s"] {
+            let v = cost[k].as_f64().unwrap_or_else(|| panic!("{k}: {p}"));
+            assert!(v > 0.0, "{k}: {p}");
+        }
+        assert!(cost["prefill_s"].as_f64() < cost["busy_s"].as_f64(), "{p}");
     }
-    assert!(
-        std::fs::read_to_string(out.join("report.md"))
-            .unwrap()
-            .contains("| pooled |")
+    let load = std::fs::read_to_string(out.join("load.svg")).unwrap();
+    let panels = load_chart_series(&load);
+    let names: Vec<&str> = panels.iter().map(|p| p.0.as_str()).collect();
+    assert_eq!(
+        names,
+        ["prefix", "round-robin", "least-request"],
+        "a load panel per policy"
     );
+    for (policy, engines, lines) in &panels {
+        assert_eq!(engines, &["engine-0", "engine-1"], "{policy}'s load panel");
+        assert!(*lines >= 2, "{policy}'s load panel draws {lines} lines");
+    }
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("| pooled |"), "{md}");
+    // The cost per conversation: first in the report, then its table with
+    // every policy set against round-robin.
+    let first = md.lines().nth(2).unwrap_or_default();
+    assert!(
+        first.starts_with("**What a conversation cost.**")
+            && first.contains("Under prefix: ")
+            && first.contains(" prompt computation and ")
+            && first.contains("TTFT p50 "),
+        "{md}"
+    );
+    assert!(
+        md.contains("| policy | conversations | prompt tok computed / conv | saving vs RR | engine GPU s / conv | saving vs RR | TTFT p50 vs RR | TTFT p90 vs RR |"),
+        "{md}"
+    );
+    for policy in ["prefix", "round-robin", "least-request"] {
+        let line = md
+            .lines()
+            .filter(|l| l.starts_with(&format!("| {policy} | ")))
+            .find(|l| l.split(" | ").count() == 9)
+            .unwrap_or_else(|| panic!("no cost line for {policy}:\n{md}"));
+        let cells: Vec<&str> = line.split(" | ").collect();
+        assert!(cells[3].ends_with('%') && cells[5].ends_with('%'), "{line}");
+    }
+    assert!(md.contains("![against round-robin](cost.svg)"), "{md}");
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// Each panel of a load chart: its policy, the engines its legend names,
+/// and how many lines of data (coloured, more than two points) it draws.
+fn load_chart_series(svg: &str) -> Vec<(String, Vec<String>, usize)> {
+    const CAPTION: &str = ": requests in flight per engine";
+    let texts = |s: &str| -> Vec<String> {
+        s.split("</text>")
+            .filter_map(|t| t.rsplit('>').next())
+            .map(|t| t.trim().to_string())
+            .collect()
+    };
+    let mut panels = Vec::new();
+    let mut parts = svg.split(CAPTION);
+    let mut policy = parts
+        .next()
+        .and_then(|head| head.rsplit('>').next())
+        .map(|t| t.trim().to_string());
+    for panel in parts {
+        let mut engines: Vec<String> = texts(panel)
+            .into_iter()
+            .filter(|t| t.starts_with("engine-") || t == "unknown")
+            .collect();
+        engines.sort();
+        engines.dedup();
+        let lines = panel
+            .split("<polyline")
+            .skip(1)
+            .filter_map(|l| l.split("/>").next())
+            .filter(|l| !l.contains("stroke=\"#000000\""))
+            .filter_map(|l| l.split("points=\"").nth(1)?.split('"').next())
+            .filter(|pts| pts.split_whitespace().count() > 2)
+            .count();
+        panels.push((policy.take().unwrap_or_default(), engines, lines));
+        // The next panel's caption ends this one.
+        policy = panel.rsplit('>').next().map(|t| t.trim().to_string());
+    }
+    panels
 }
 
 #[test]
@@ -135,17 +223,34 @@ fn tiny_bench_measures_every_target() {
     let q = r["quality_rows"].as_array().unwrap();
     assert!(!q.is_empty() && q.iter().all(|x| x["requests"].as_u64().unwrap() > 0));
     // Every row has its pooled-cache reference, and a bounded cache hits
-    // no more than the unbounded one of the same trace.
+    // no more than the unbounded one of the same trace; and its cost per
+    // conversation, from the engines' own counters.
     for x in q {
         let pooled = x["pooled"].as_f64().unwrap_or_else(|| panic!("{x}"));
         let ceiling = x["ceiling"].as_f64().unwrap();
         assert!(pooled > 0.0 && pooled <= ceiling + 0.01, "{x}");
+        for k in ["conversations", "computed_tokens", "busy_s"] {
+            let v = x["cost"][k].as_f64().unwrap_or_else(|| panic!("{k}: {x}"));
+            assert!(v > 0.0, "{k}: {x}");
+        }
     }
-    assert!(
-        std::fs::read_to_string(out.join("report.md"))
-            .unwrap()
-            .contains("## Targets")
-    );
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("## Targets"), "{md}");
+    assert!(md.contains("### Cost per conversation"), "{md}");
+    // Every scenario states its saving against round-robin.
+    for x in q {
+        let (sc, policy) = (
+            x["scenario"].as_str().unwrap(),
+            x["policy"].as_str().unwrap(),
+        );
+        let line = md
+            .lines()
+            .filter(|l| l.starts_with(&format!("| {sc} | {policy} | ")))
+            .find(|l| l.split(" | ").count() == 10)
+            .unwrap_or_else(|| panic!("no cost line for {sc} / {policy}:\n{md}"));
+        let cells: Vec<&str> = line.split(" | ").collect();
+        assert!(cells[4].ends_with('%') && cells[6].ends_with('%'), "{line}");
+    }
     let _ = std::fs::remove_dir_all(&out);
 }
 
