@@ -340,6 +340,35 @@ pub fn table(r: &DemoResults) -> Table {
     t
 }
 
+/// Requests each engine completed under each policy, by the engines' own
+/// counts, and the busiest over the mean.
+pub fn engines_table(r: &DemoResults) -> Table {
+    let mut engines: Vec<&str> = Vec::new();
+    for p in &r.policies {
+        for e in p.summary.per_instance.keys() {
+            if !engines.contains(&e.as_str()) {
+                engines.push(e);
+            }
+        }
+    }
+    let mut head = vec!["policy"];
+    head.extend(engines.iter().copied());
+    head.push("max/mean");
+    let mut t = Table::new(&head);
+    for p in &r.policies {
+        let mut line = vec![p.policy.clone()];
+        line.extend(engines.iter().map(|e| {
+            p.summary
+                .per_instance
+                .get(*e)
+                .map_or("-".into(), u64::to_string)
+        }));
+        line.push(format!("{:.2}", p.summary.load_max_mean_ratio));
+        t.row(line);
+    }
+    t
+}
+
 /// What a conversation cost under each policy, against round-robin.
 pub fn cost_table(r: &DemoResults) -> Table {
     let mut t = cost::table(&["policy"]);
@@ -449,9 +478,10 @@ fn markdown(r: &DemoResults, table: &Table, costs: &Table) -> String {
     let _ = writeln!(m, "## Hit rate per policy\n\n![hit rate](hit-rate.svg)\n");
     let _ = writeln!(
         m,
-        "## Load per engine over time\n\n![load](load.svg)\n\nEach engine's requests in flight (running and waiting), read from its own `/metrics` every {} ms; requests per engine, as the engines counted them, are `per_instance` in `results.json`.\n",
+        "## Load per engine over time\n\n![load](load.svg)\n\nEach engine's requests in flight (running and waiting), read from its own `/metrics` every {} ms. Requests each engine completed, as it counted them (`vllm:request_success_total`):\n",
         crate::engine_metrics::LOAD_STEP.as_millis()
     );
+    let _ = writeln!(m, "{}", engines_table(r).markdown());
     let _ = writeln!(
         m,
         "Per-request records: `records-<policy>.jsonl`; figures: `results.json`."

@@ -128,6 +128,10 @@ fn tiny_demo_writes_a_report_with_charts() {
         assert!(cells[3].ends_with('%') && cells[5].ends_with('%'), "{line}");
     }
     assert!(md.contains("![against round-robin](cost.svg)"), "{md}");
+    assert!(
+        md.contains("| policy | engine-0 | engine-1 | max/mean |"),
+        "requests per engine:\n{md}"
+    );
     let _ = std::fs::remove_dir_all(&out);
 }
 
