@@ -1,6 +1,7 @@
 //! `cargo xtask demo`: builds what it needs, then runs the demo (a fleet of
 //! simulated engines behind prefix-router, the chat workload replayed through
-//! prefix, round-robin and least-request). About two minutes by default;
+//! prefix, round-robin and least-request; what a conversation cost the
+//! engines under each against round-robin). About two minutes by default;
 //! `--long` for a longer, steadier run. The logic is in `benches/src/demo.rs`.
 //! The peer routers (sglang-router, vllm-router, smg) are shown beside the
 //! policies when they are installed in `target/peers-venv` (by `cargo xtask
