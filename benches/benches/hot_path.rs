@@ -50,36 +50,24 @@ fn scan_and_hash(c: &mut Criterion) {
         let mut canon = Canonical::default();
         let (mut carry, mut out) = (Vec::new(), Vec::new());
         g.throughput(Throughput::Bytes(body.len() as u64));
-        g.bench_function(BenchmarkId::new("scan", name), |b| {
-            b.iter(|| {
-                let p = scan(Endpoint::Chat, black_box(&body), &mut canon).expect("valid body");
-                out.clear();
-                block_hashes_pieces(
-                    p.seed,
-                    canon.pieces(&body),
-                    DEFAULT_BLOCK_BYTES,
-                    &mut carry,
-                    &mut out,
-                );
-                black_box(out.len())
-            })
-        });
-        // The same conversation read as an Anthropic Messages body (serde
-        // on the body, `prompt::apis`), for the cost of that reader.
-        g.bench_function(BenchmarkId::new("messages", name), |b| {
-            b.iter(|| {
-                let p = scan(Endpoint::Messages, black_box(&body), &mut canon).expect("valid body");
-                out.clear();
-                block_hashes_pieces(
-                    p.seed,
-                    canon.pieces(&body),
-                    DEFAULT_BLOCK_BYTES,
-                    &mut carry,
-                    &mut out,
-                );
-                black_box(out.len())
-            })
-        });
+        // `messages`: the same conversation read as an Anthropic Messages
+        // body (serde on the body, `prompt::apis`), for that reader's cost.
+        for (id, endpoint) in [("scan", Endpoint::Chat), ("messages", Endpoint::Messages)] {
+            g.bench_function(BenchmarkId::new(id, name), |b| {
+                b.iter(|| {
+                    let p = scan(endpoint, black_box(&body), &mut canon).expect("valid body");
+                    out.clear();
+                    block_hashes_pieces(
+                        p.seed,
+                        canon.pieces(&body),
+                        DEFAULT_BLOCK_BYTES,
+                        &mut carry,
+                        &mut out,
+                    );
+                    black_box(out.len())
+                })
+            });
+        }
         let mut ex = Extractor::default();
         let mut text = Vec::new();
         g.bench_function(BenchmarkId::new("reference", name), |b| {
