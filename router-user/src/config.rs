@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use serde::Deserialize;
 
+pub mod classes;
 pub mod discovery;
 pub mod ebpf;
 pub mod models;
@@ -19,6 +20,7 @@ use crate::fleet::slots::EngineKind;
 use crate::http::url::HttpUrl;
 use crate::policy::select::{Policy, PrefixParams};
 use crate::prompt::hash::DEFAULT_BLOCK_BYTES;
+pub use classes::Classes;
 
 /// The whole configuration. Every field has a default but `backends`.
 #[derive(Clone, Debug, Deserialize)]
@@ -497,46 +499,6 @@ impl Default for Routes {
             extra_allowed: Vec::new(),
             responses_max_ids: 262_144,
             responses_ttl_s: 86_400,
-        }
-    }
-}
-
-/// Request classes, from the body's `service_tier` (`priority` above
-/// `default`/`auto` above `flex`).
-#[derive(Clone, Debug, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Classes {
-    /// A `flex` request goes to a backend only while it has fewer requests
-    /// in flight than this (0: no limit of its own); otherwise it waits in
-    /// the router, behind every waiting request of a higher class. Set it
-    /// below the engines' running batch (vLLM's `max_num_seqs`), so the
-    /// people waiting always find room.
-    pub flex_max_in_flight_per_backend: u32,
-    /// How long a `flex` request may wait for room before it is answered
-    /// 429 with Retry-After.
-    pub flex_wait_ms: u64,
-}
-
-impl Default for Classes {
-    fn default() -> Self {
-        Classes {
-            flex_max_in_flight_per_backend: 0,
-            flex_wait_ms: 30_000,
-        }
-    }
-}
-
-impl Classes {
-    /// The in-flight limit a request of `class` sees (0: none), under the
-    /// fleet's `limits.max_in_flight_per_backend`.
-    pub fn max_in_flight(&self, class: crate::prompt::extract::Class, all: u32) -> u32 {
-        let own = match class {
-            crate::prompt::extract::Class::Flex => self.flex_max_in_flight_per_backend,
-            _ => 0,
-        };
-        match (own, all) {
-            (0, n) | (n, 0) => n,
-            (a, b) => a.min(b),
         }
     }
 }

@@ -80,9 +80,41 @@ impl ClassName {
     }
 }
 
+/// A class and a tenant: tenant names come from the config only (`-`
+/// for callers no tenant names), so the label set stays bounded.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ClassLabels {
     class: ClassName,
+    tenant: String,
+}
+
+impl ClassLabels {
+    fn of(class: Class, tenant: &str) -> ClassLabels {
+        ClassLabels {
+            class: ClassName(class),
+            tenant: tenant.to_owned(),
+        }
+    }
+}
+
+/// Buckets, in seconds, of the time a request waits in its class's queue
+/// (a `flex` request may wait `classes.flex_wait_ms`, 30 s by default).
+const CLASS_WAIT_BUCKETS: [f64; 12] = [
+    1e-3, 1e-2, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+fn class_wait_histogram() -> Histogram {
+    Histogram::new(CLASS_WAIT_BUCKETS)
+}
+
+/// Counts a request waiting in its class's queue while it waits (however
+/// it stops: room, its deadline, or its client gone).
+pub struct ClassWaiting(Gauge);
+
+impl Drop for ClassWaiting {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 /// `StatusClass` as a label value.
@@ -175,6 +207,13 @@ pub struct Metrics {
     resends: Family<ResendLabels, Counter>,
     /// Requests answered 429 after waiting their class's deadline.
     shed: Family<ClassLabels, Counter>,
+    /// Requests answered at once because their tenant's queue was full.
+    class_refused: Family<ClassLabels, Counter>,
+    /// Requests whose client left while they waited.
+    class_left: Family<ClassLabels, Counter>,
+    /// Requests waiting in the router now, and how long each waited.
+    class_waiting: Family<ClassLabels, Gauge>,
+    class_wait_seconds: Family<ClassLabels, Histogram, fn() -> Histogram>,
     matched_blocks: Histogram,
     routing_seconds: Histogram,
     queue_seconds: Histogram,
@@ -227,13 +266,39 @@ impl Metrics {
         let shed = Family::default();
         registry.register(
             "class_shed",
-            "Requests answered 429 after waiting their class's deadline for room (classes.flex_wait_ms), by class",
+            "Requests answered 429 after waiting their class's deadline for room (classes.flex_wait_ms), by class and tenant",
             shed.clone(),
         );
+        let class_refused = Family::default();
+        registry.register(
+            "class_refused",
+            "Requests answered at once (flex 429, others 503, with Retry-After) because classes.max_waiting of their tenant's requests of their class waited already, by class and tenant",
+            class_refused.clone(),
+        );
+        let class_left = Family::default();
+        registry.register(
+            "class_left",
+            "Requests whose client closed its connection while they waited in the router for room, by class and tenant",
+            class_left.clone(),
+        );
+        let class_waiting = Family::default();
+        registry.register(
+            "class_waiting",
+            "Requests waiting in the router for room now, by class and tenant",
+            class_waiting.clone(),
+        );
+        let class_wait_seconds =
+            Family::new_with_constructor(class_wait_histogram as fn() -> Histogram);
+        registry.register(
+            "class_wait_seconds",
+            "Time a request waited in the router for room and its turn, by class and tenant, waiting requests only (let in, shed, or left)",
+            class_wait_seconds.clone(),
+        );
+        // Every class shows from the start, at zero, for callers of no tenant.
         for c in Class::ALL {
-            drop(shed.get_or_create(&ClassLabels {
-                class: ClassName(c),
-            }));
+            let l = ClassLabels::of(c, crate::config::classes::NO_TENANT);
+            drop(shed.get_or_create(&l));
+            drop(class_waiting.get_or_create(&l));
         }
         // Every reason and decision shows from the start, at zero.
         for r in Resend::ALL {
@@ -318,6 +383,10 @@ impl Metrics {
             full_cache_routes,
             resends,
             shed,
+            class_refused,
+            class_left,
+            class_waiting,
+            class_wait_seconds,
             matched_blocks,
             routing_seconds,
             queue_seconds,
@@ -355,13 +424,44 @@ impl Metrics {
         self.admin_refused.inc();
     }
 
-    /// A request of `class` waited its deadline and was answered 429.
-    pub fn shed(&self, class: Class) {
+    /// A request of `class` and `tenant` waited its deadline and was
+    /// answered 429.
+    pub fn shed(&self, class: Class, tenant: &str) {
         self.shed
-            .get_or_create(&ClassLabels {
-                class: ClassName(class),
-            })
+            .get_or_create(&ClassLabels::of(class, tenant))
             .inc();
+    }
+
+    /// A request was refused at once: its tenant's queue of its class was full.
+    pub fn class_refused(&self, class: Class, tenant: &str) {
+        self.class_refused
+            .get_or_create(&ClassLabels::of(class, tenant))
+            .inc();
+    }
+
+    /// A request starts to wait in the router; counted until the guard drops.
+    pub fn class_waiting(&self, class: Class, tenant: &str) -> ClassWaiting {
+        let g = self
+            .class_waiting
+            .get_or_create(&ClassLabels::of(class, tenant))
+            .clone();
+        g.inc();
+        ClassWaiting(g)
+    }
+
+    /// A request stopped waiting after `waited` (let in or shed).
+    pub fn class_waited(&self, class: Class, tenant: &str, waited: Duration) {
+        self.class_wait_seconds
+            .get_or_create(&ClassLabels::of(class, tenant))
+            .observe(waited.as_secs_f64());
+    }
+
+    /// A request's client left while it waited `waited`.
+    pub fn class_left(&self, class: Class, tenant: &str, waited: Duration) {
+        self.class_left
+            .get_or_create(&ClassLabels::of(class, tenant))
+            .inc();
+        self.class_waited(class, tenant, waited);
     }
 
     pub fn resent(&self, reason: Resend) {

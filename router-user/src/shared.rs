@@ -9,7 +9,12 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering:
 use arc_swap::ArcSwap;
 use tracing::{info, warn};
 
-use crate::config::{BackendConfig, Config, backend_addr};
+mod admission;
+
+pub use admission::Admission;
+
+use crate::config::classes::{Caller, Placed, Source};
+use crate::config::{BackendConfig, Classes, Config, backend_addr};
 use crate::error::RouterError;
 use crate::fleet::MAX_BACKENDS;
 use crate::fleet::backend::{Backend, Fleet};
@@ -52,9 +57,9 @@ pub struct Router {
     pub replica: Option<Arc<Replica>>,
     /// Which backend stored each stored response (`/v1/responses`).
     pub stored: StoredResponses,
-    /// Requests waiting in the router for room, by class
-    /// ([`Class::ALL`]'s order): a class goes only when none above waits.
-    pub waiting: [AtomicUsize; 3],
+    /// Requests waiting in the router for room: a class goes only when
+    /// none above waits, tenants of one class by weight.
+    pub admission: Admission,
 }
 
 /// Retries across all requests are capped at `retry.budget_percent` of
@@ -130,8 +135,8 @@ pub struct RouteScratch {
     pub precise_mask: BackendSet,
     /// What [`Router::token_job`]'s scan of the body in `canon` said.
     scanned: Option<Prompt>,
-    /// The last routed request's class.
-    class: Class,
+    /// The last routed request's class, tenant, and where they came from.
+    placed: Placed,
 }
 
 impl RouteScratch {
@@ -140,9 +145,9 @@ impl RouteScratch {
         &self.canon
     }
 
-    /// The last routed request's class.
-    pub fn class(&self) -> Class {
-        self.class
+    /// The last routed request's class, tenant and where they came from.
+    pub fn placed(&self) -> Placed {
+        self.placed
     }
 
     /// Takes the scan [`Router::token_job`] left here, to be put back by
@@ -223,6 +228,9 @@ pub struct RouteQuery<'a> {
     /// `POST` to a path of `routes.extra_allowed`: embeddings, rerank...):
     /// the least loaded of those that serve it.
     pub by_model: bool,
+    /// What the head says of the caller (`classes.header`, the API key):
+    /// read only when `[classes]` asks for it.
+    pub caller: Caller<'a>,
 }
 
 /// A body's scan kept across a wait (a request's tokens made off the
@@ -314,7 +322,7 @@ impl Router {
             client_conns: AtomicUsize::new(0),
             retry_budget: RetryBudget::new(budget_percent),
             shutting_down: AtomicBool::new(false),
-            waiting: Default::default(),
+            admission: Admission::new(),
         });
         router.sync_subscribers();
         Ok(router)
@@ -399,7 +407,8 @@ impl Router {
                 (0, None, false)
             }
         };
-        scratch.class = class_of(scratch.canon.tier());
+        let cfg = self.config.load();
+        scratch.placed = place(&cfg.classes, &query.caller, user, scratch.canon.tier());
         let session = query.session.or(user);
         let table = self.models.table();
         let want = if query.endpoint.is_some() || !scratch.canon.model().is_empty() {
@@ -408,7 +417,6 @@ impl Router {
             table.unfiltered()
         };
         let PromptBlocks { hashes, found, .. } = blocks;
-        let cfg = self.config.load();
         let policy = want.policy().unwrap_or(cfg.policy);
         let fleet = self.fleet.load_full();
         hashes.clear();
@@ -449,9 +457,9 @@ impl Router {
         scratch.ranks.clear();
         let cap = cfg
             .classes
-            .max_in_flight(scratch.class, cfg.limits.max_in_flight_per_backend);
+            .max_in_flight(scratch.placed.class, cfg.limits.max_in_flight_per_backend);
         // Waiting requests of a higher class go first.
-        let above_waiting = self.waits_above(scratch.class);
+        let above_waiting = self.waits_above(scratch.placed.class);
         let ticket = self.ticket.fetch_add(1, Relaxed);
         let fleet_slots = fleet_slots(&fleet);
         for b in &fleet.backends {
@@ -746,7 +754,7 @@ impl Router {
         Class::ALL
             .iter()
             .take_while(|&&c| c < class)
-            .any(|&c| self.waiting[c as usize].load(Relaxed) > 0)
+            .any(|&c| self.admission.waiting(c) > 0)
     }
 
     /// `backend` stored the response `id` (`/v1/responses`): requests
@@ -1012,16 +1020,21 @@ impl Router {
     }
 }
 
-/// A body's class; a `service_tier` the router does not know counts as
-/// default (warned once).
-fn class_of(tier: &[u8]) -> Class {
-    Class::of_tier(tier).unwrap_or_else(|| {
-        static WARNED: AtomicBool = AtomicBool::new(false);
-        if !WARNED.swap(true, Relaxed) {
-            tracing::warn!(service_tier = %String::from_utf8_lossy(tier), "a service_tier the router does not know counts as default (warned once)");
+/// A request's class and tenant (`Classes::place`); a class word the
+/// router does not know counts as default (warned once per source).
+fn place(classes: &Classes, caller: &Caller, user: Option<u64>, tier: &[u8]) -> Placed {
+    let placed = classes.place(caller, user, tier);
+    if let Some(from) = placed.unknown {
+        static WARNED: [AtomicBool; 2] = [AtomicBool::new(false), AtomicBool::new(false)];
+        let (i, value) = match from {
+            Source::Header => (0, caller.header.unwrap_or_default()),
+            _ => (1, tier),
+        };
+        if !WARNED[i].swap(true, Relaxed) {
+            tracing::warn!(source = from.name(), value = %String::from_utf8_lossy(value), "a class the router does not know counts as default (priority, default or flex; warned once)");
         }
-        Class::Default
-    })
+    }
+    placed
 }
 
 #[cfg(test)]
@@ -1072,6 +1085,7 @@ mod tests {
                 tokens: TokensFrom::Here,
                 scanned: None,
                 by_model: false,
+                caller: Caller::default(),
             };
             router.route(&query, &mut scratch, &mut blocks).unwrap();
             blocks.hashes.clone()

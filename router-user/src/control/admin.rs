@@ -14,6 +14,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use serde_json::json;
 use tracing::info;
 
+use crate::config::classes::Caller;
+use crate::http::request::{api_key, header_value};
 use crate::prompt::extract::Endpoint;
 use crate::shared::{PromptBlocks, RouteQuery, RouteScratch, Router};
 
@@ -32,6 +34,8 @@ pub struct Request<'a> {
     pub path: &'a str,
     /// The target's query, after the `?` (still percent-encoded).
     pub query: &'a str,
+    /// The head as received, request line first.
+    pub head: &'a [u8],
     pub body: &'a [u8],
 }
 
@@ -108,7 +112,7 @@ fn handle(router: &Router, req: &Request, reload: &Reloader) -> Reply {
                 "responses" => Endpoint::Responses,
                 _ => Endpoint::Chat,
             };
-            let (status, v) = explain(router, ep, req.body);
+            let (status, v) = explain(router, ep, req.head, req.body);
             Reply::json(status, &v)
         }
         ("POST", "/admin/reload") => match reload() {
@@ -210,11 +214,21 @@ fn replicas_json(router: &Router) -> serde_json::Value {
     })
 }
 
-/// Which backend a request body would go to now, and why. Changes nothing.
-fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Value) {
+/// Which backend a request body would go to now, and why, and the
+/// request's class and tenant (from the explain request's own head, as
+/// the traffic listener would read them). Changes nothing.
+fn explain(router: &Router, ep: Endpoint, head: &[u8], body: &[u8]) -> (u16, serde_json::Value) {
     let mut scratch = RouteScratch::default();
     let mut blocks = PromptBlocks::default();
+    let cfg = router.config.load();
+    let classes = &cfg.classes;
     let query = RouteQuery {
+        caller: Caller {
+            header: (!classes.header.is_empty())
+                .then(|| header_value(head, &classes.header))
+                .flatten(),
+            key: api_key(head),
+        },
         endpoint: Some(ep),
         body,
         session: None,
@@ -253,9 +267,13 @@ fn explain(router: &Router, ep: Endpoint, body: &[u8]) -> (u16, serde_json::Valu
         })
         .collect();
     let why = why(policy, &routed, &scores, fleet);
+    let placed = scratch.placed();
     (
         200,
         json!({
+            "class": placed.class.name(),
+            "tenant": classes.tenant_name(placed.tenant),
+            "class_from": placed.source.name(),
             "canonical_bytes": scratch.canonical_len(),
             "blocks": blocks.hashes.len(),
             "precise_blocks": router.precise.as_ref().map(|_| blocks.keys.len()),

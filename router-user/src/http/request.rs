@@ -50,6 +50,36 @@ impl RequestHead {
     }
 }
 
+/// The value of the first header `name` (ASCII case-insensitive), trimmed,
+/// in a head as written out: the forwarded head, or one as received. Lines
+/// after the request line, up to the first empty one.
+pub fn header_value<'a>(head: &'a [u8], name: &str) -> Option<&'a [u8]> {
+    head.split(|&b| b == b'\n')
+        .skip(1)
+        .map(|l| l.strip_suffix(b"\r").unwrap_or(l))
+        .take_while(|l| !l.is_empty())
+        .find_map(|l| {
+            let colon = l.iter().position(|&b| b == b':')?;
+            l[..colon]
+                .eq_ignore_ascii_case(name.as_bytes())
+                .then(|| l[colon + 1..].trim_ascii())
+        })
+}
+
+/// The caller's API key: the `Authorization: Bearer` token, else
+/// `x-api-key` (Anthropic's SDK).
+pub fn api_key(head: &[u8]) -> Option<&[u8]> {
+    let bearer = header_value(head, "authorization").and_then(|v| {
+        let (scheme, token) = v.split_at(v.iter().position(|&b| b == b' ')?);
+        scheme
+            .eq_ignore_ascii_case(b"bearer")
+            .then(|| token.trim_ascii())
+    });
+    bearer
+        .or_else(|| header_value(head, "x-api-key"))
+        .filter(|k| !k.is_empty())
+}
+
 /// Methods forwarded, case-sensitive (RFC 9110 section 9.1); any other is 501.
 const METHODS: [&str; 7] = ["GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"];
 
@@ -311,6 +341,26 @@ mod tests {
     fn p(raw: &str) -> Result<Option<RequestHead>, RouterError> {
         let mut fwd = Vec::new();
         parse(raw.as_bytes(), 8192, &mut fwd)
+    }
+
+    #[test]
+    fn header_values_and_api_keys_are_read_from_a_written_head() {
+        let mut fwd = Vec::new();
+        let raw = "POST /v1/chat/completions HTTP/1.1\r\nAuthorization: bearer  sk-1 \r\nX-Request-Class:flex\r\nContent-Length: 2\r\n\r\n{}";
+        parse(raw.as_bytes(), 8192, &mut fwd).unwrap().unwrap();
+        for head in [&fwd[..], raw.as_bytes()] {
+            assert_eq!(header_value(head, "x-request-class"), Some(&b"flex"[..]));
+            assert_eq!(api_key(head), Some(&b"sk-1"[..]));
+            assert_eq!(header_value(head, "x-other"), None);
+        }
+        // The body is not read as a header; x-api-key stands in for Bearer.
+        let raw = b"POST / HTTP/1.1\r\nX-Api-Key: k2\r\nAuthorization: Basic abc\r\n\r\nx-request-class: flex";
+        assert_eq!(header_value(raw, "x-request-class"), None);
+        assert_eq!(api_key(raw), Some(&b"k2"[..]));
+        assert_eq!(
+            api_key(b"GET / HTTP/1.1\r\nAuthorization: Bearer \r\n\r\n"),
+            None
+        );
     }
 
     #[test]

@@ -13,9 +13,10 @@ use crate::error::{Kind, Resend, RouterError};
 use crate::fleet::backend::Backend;
 use crate::fleet::feedback::Reported;
 use crate::fleet::models::ModelStats;
-use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
+use crate::config::classes::{Caller, Placed};
 use crate::fleet::stored;
+use crate::http::request::{api_key, header_value};
 use crate::policy::select::Decision;
 use crate::precise::keys::EngineTokens;
 use crate::prompt::extract::Class;
@@ -30,6 +31,16 @@ use crate::shared::{RouteQuery, Routed, Scanned, TokensFrom};
 /// checks the backends' in-flight counters (atomic loads; it routes again only
 /// when one has room). 1 ms is short next to a generation and cheap to poll.
 const QUEUE_POLL: Duration = Duration::from_millis(1);
+
+/// How often a waiting request checks that its client is still there (one
+/// `recv(MSG_PEEK)`): a client that gives up frees its place within this.
+const CLIENT_CHECK: Duration = Duration::from_millis(10);
+
+/// Polls in a row a waiting request may see room that the first of its
+/// class leaves untaken before it takes it itself: the first may be
+/// waiting for other backends (another model's), and room must not idle.
+/// The first takes room within a poll or two when it can.
+const ROOM_UNTAKEN_POLLS: u32 = 20;
 
 /// Routes a request read whole and sends it, with re-sends where the
 /// delivery rule allows them. `Ok(true)` when the client connection must
@@ -76,7 +87,8 @@ pub async fn handle(
         if let Some(p) = &pin {
             p.apply(cfg, &mut routed, c.blocks.hashes.len() as u32)?;
         }
-        let class = worker.scratch.borrow().class();
+        let placed = worker.scratch.borrow().placed();
+        let class = placed.class;
         let cap = cfg
             .classes
             .max_in_flight(class, cfg.limits.max_in_flight_per_backend);
@@ -91,16 +103,51 @@ pub async fn handle(
         } else {
             started.elapsed()
         };
-        let queued = routed.choice.len == 0 && (pin.is_some() || queueable(cap, deadline, &routed));
+        // A new request of a class that has requests waiting waits behind
+        // them, in its tenant's turn, rather than take room that frees.
+        let behind = cap > 0
+            && tries.attempts == 0
+            && !tries.full
+            && routed.choice.len > 0
+            && router.admission.waiting(class) > 0;
+        let queued = (routed.choice.len == 0 || behind)
+            && (pin.is_some() || queueable(cap, deadline, &routed));
         if queued {
+            if behind {
+                routed.choice.len = 0;
+            }
             // Every up backend is at its in-flight limit for this class: wait
-            // for room (atomic loads only), then route again, until the
-            // deadline (`queue_ms`, `classes.flex_wait_ms`).
+            // for room (atomic loads only) and the tenant's turn, then route
+            // again, until the deadline (`queue_ms`, `classes.flex_wait_ms`).
+            let tenant = cfg.classes.tenant_name(placed.tenant);
+            let Some(place) = router.admission.enter(
+                class,
+                placed.tenant,
+                cfg.classes.weight(placed.tenant),
+                cfg.classes.max_waiting_of(placed.tenant),
+            ) else {
+                return Err(queue_full(cfg, router, placed));
+            };
             let waiting = Instant::now();
-            let _counted = Waiting::new(&router.waiting[class as usize]);
+            let _counted = router.metrics.class_waiting(class, tenant);
+            let mut checked = waiting;
+            let mut room_polls = 0u32;
             while routed.choice.len == 0 && Instant::now() < deadline {
                 monoio::time::sleep(QUEUE_POLL).await;
-                if has_room(cap, &routed) && !router.waits_above(class) {
+                if checked.elapsed() >= CLIENT_CHECK {
+                    checked = Instant::now();
+                    if client_gone(&c.stream) {
+                        // Its place goes to the next at once (`place` dropped).
+                        router.metrics.class_left(class, tenant, waiting.elapsed());
+                        return Ok(true);
+                    }
+                }
+                if !has_room(cap, &routed) || router.waits_above(class) {
+                    room_polls = 0;
+                    continue;
+                }
+                room_polls += 1;
+                if place.is_first() || room_polls > ROOM_UNTAKEN_POLLS {
                     let again = Instant::now();
                     routed = route_once(worker, c, req, tokens.as_ref(), None)?;
                     if let Some(p) = &pin {
@@ -109,15 +156,18 @@ pub async fn handle(
                     routing += again.elapsed();
                 }
             }
-            router
-                .metrics
-                .observe_queue(waiting.elapsed().saturating_sub(routing));
+            if routed.choice.len > 0 {
+                place.let_in();
+            }
+            let waited = waiting.elapsed();
+            router.metrics.observe_queue(waited.saturating_sub(routing));
+            router.metrics.class_waited(class, tenant, waited);
         }
         router.metrics.observe_routing(&routed.choice, routing);
         routed.model.requested();
         if routed.choice.len == 0 {
             return Err(if queued && class == Class::Flex {
-                shed(cfg, router, class)
+                shed(cfg, router, class, cfg.classes.tenant_name(placed.tenant))
             } else if queued {
                 at_limit(cfg)
             } else {
@@ -180,7 +230,14 @@ pub async fn handle(
         match tries.last.take() {
             // Lost every slot race: queue again while `queue_ms` lasts.
             None if tries.full && Instant::now() < deadline => continue,
-            None if tries.full && class == Class::Flex => return Err(shed(cfg, router, class)),
+            None if tries.full && class == Class::Flex => {
+                return Err(shed(
+                    cfg,
+                    router,
+                    class,
+                    cfg.classes.tenant_name(placed.tenant),
+                ));
+            }
             None if tries.full => return Err(at_limit(cfg)),
             // The engine that stored the response cannot be reached: it
             // is gone, and what it stored with it.
@@ -520,20 +577,23 @@ fn route_once(
     scanned: Option<Scanned>,
 ) -> Result<Routed, RouterError> {
     let endpoint = api::endpoint(req.head, &c.fwd);
+    let cfg = worker.router.config.load();
     let by_model = endpoint.is_none()
         && req.head.method(&c.fwd) == "POST"
-        && worker
-            .router
-            .config
-            .load()
+        && cfg
             .routes
             .extra_allowed
             .iter()
             .any(|p| p == req.head.path(&c.fwd));
     let ClientConn {
-        buf, body, blocks, ..
+        buf,
+        body,
+        blocks,
+        fwd,
+        ..
     } = c;
     let query = RouteQuery {
+        caller: caller(&cfg.classes, fwd),
         endpoint,
         by_model,
         body: match req.body {
@@ -550,6 +610,20 @@ fn route_once(
         ..query
     };
     worker.router.route(&query, &mut scratch, blocks)
+}
+
+/// What the forwarded head says of the caller, read only when `[classes]`
+/// has a header or tenants with keys.
+fn caller<'a>(classes: &crate::config::Classes, fwd: &'a [u8]) -> Caller<'a> {
+    if !classes.reads_caller() {
+        return Caller::default();
+    }
+    Caller {
+        header: (!classes.header.is_empty())
+            .then(|| header_value(fwd, &classes.header))
+            .flatten(),
+        key: classes.reads_keys().then(|| api_key(fwd)).flatten(),
+    }
 }
 
 /// Precise mode: the request's engine tokens when a model tokenizer makes
@@ -578,6 +652,7 @@ async fn offload_tokens(
             tokens: TokensFrom::Worker(None),
             scanned: None,
             by_model: false,
+            caller: Caller::default(),
         };
         let mut scratch = worker.scratch.borrow_mut();
         let job = worker.router.token_job(&query, &mut scratch);
@@ -614,27 +689,52 @@ fn has_room(cap: u32, routed: &Routed) -> bool {
     routed.fleet.backends.iter().any(|b| b.has_room(cap))
 }
 
-/// Counts a request waiting in the router for room, by class, while it
-/// waits (however it stops waiting: room, its deadline, or the client gone
-/// and the request dropped).
-struct Waiting<'a>(&'a AtomicUsize);
-
-impl<'a> Waiting<'a> {
-    fn new(n: &'a AtomicUsize) -> Waiting<'a> {
-        n.fetch_add(1, Relaxed);
-        Waiting(n)
+/// Whether the client closed (or reset) its connection while its request
+/// waits: one non-blocking `recv(MSG_PEEK)`. Bytes waiting (a pipelined
+/// request) or none yet: still there. A client that shuts its sending side
+/// and still waits for the answer looks gone; HTTP/1.1 clients do not.
+fn client_gone(stream: &monoio::net::TcpStream) -> bool {
+    use nix::errno::Errno;
+    use nix::sys::socket::{MsgFlags, recv};
+    use std::os::fd::AsRawFd;
+    let mut byte = [0u8; 1];
+    match recv(
+        stream.as_raw_fd(),
+        &mut byte,
+        MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT,
+    ) {
+        Ok(0) => true,
+        Ok(_) | Err(Errno::EAGAIN | Errno::EINTR) => false,
+        Err(_) => true,
     }
 }
 
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Relaxed);
-    }
+/// The answer to a request whose tenant has `classes.max_waiting` requests
+/// of its class waiting already: 429 for `flex`, 503 for the others, both
+/// with Retry-After.
+fn queue_full(cfg: &Config, router: &crate::shared::Router, placed: Placed) -> RouterError {
+    let class = placed.class;
+    router
+        .metrics
+        .class_refused(class, cfg.classes.tenant_name(placed.tenant));
+    let kind = if class == Class::Flex {
+        Kind::Shed
+    } else {
+        Kind::Unavailable
+    };
+    RouterError::new(
+        kind,
+        format!(
+            "{} {} requests of this caller wait already (classes.max_waiting); try again later",
+            cfg.classes.max_waiting_of(placed.tenant),
+            class.name()
+        ),
+    )
 }
 
 /// The 429 for a request of `class` that waited its deadline for room.
-fn shed(cfg: &Config, router: &crate::shared::Router, class: Class) -> RouterError {
-    router.metrics.shed(class);
+fn shed(cfg: &Config, router: &crate::shared::Router, class: Class, tenant: &str) -> RouterError {
+    router.metrics.shed(class, tenant);
     RouterError::new(
         Kind::Shed,
         format!(

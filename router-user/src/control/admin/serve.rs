@@ -123,6 +123,8 @@ fn refuse(mut stream: TcpStream) {
 struct Incoming {
     method: String,
     target: String,
+    /// The head as received (what `/admin/explain` reads a caller from).
+    head: Vec<u8>,
     body: Vec<u8>,
 }
 
@@ -149,6 +151,7 @@ fn serve(router: &Router, mut stream: TcpStream, reload: &Reloader) -> io::Resul
             method: &inc.method,
             path,
             query,
+            head: &inc.head,
             body: &inc.body,
         },
         reload,
@@ -277,6 +280,7 @@ fn read_request(
             }
         }
     };
+    let head_bytes = buf[..head.len].to_vec();
     let max_body = cfg.limits.max_body_bytes;
     let body_deadline = Instant::now() + ms(t.client_body_ms);
     let body_timeout = || {
@@ -339,6 +343,7 @@ fn read_request(
     Ok(Some(Incoming {
         method: head.method,
         target: head.target,
+        head: head_bytes,
         body,
     }))
 }
