@@ -13,6 +13,7 @@ mod precise_events;
 mod precise_tokenizer;
 mod router_apis;
 mod router_classes;
+mod router_classes_callers;
 mod router_discovery;
 mod router_ebpf_load;
 mod router_faults;
