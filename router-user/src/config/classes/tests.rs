@@ -179,3 +179,36 @@ fn bad_tenants_are_refused() {
     ))
     .unwrap();
 }
+
+#[test]
+fn the_example_config_says_the_defaults_and_its_commented_tenant_is_valid() {
+    let text = include_str!("../../../prefix-router.example.toml");
+    let cfg: Config = toml::from_str(text).unwrap();
+    let (got, want) = (&cfg.classes, Classes::default());
+    assert_eq!(
+        (got.flex_max_in_flight_per_backend, got.flex_wait_ms),
+        (want.flex_max_in_flight_per_backend, want.flex_wait_ms)
+    );
+    assert_eq!(
+        (&got.header, got.max_waiting),
+        (&want.header, want.max_waiting)
+    );
+    assert!(got.tenants.is_empty());
+    let section: String = text
+        .lines()
+        .skip_while(|l| !l.starts_with("[classes]"))
+        .map(|l| l.strip_prefix("# ").unwrap_or(l))
+        .filter(|l| l.contains(" = ") || l.starts_with('['))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let on = classes(&section).unwrap();
+    assert_eq!(on.header, "x-request-class");
+    assert_eq!(on.tenants.len(), 1);
+    let key = Caller {
+        header: None,
+        key: Some(b"sk-support"),
+    };
+    let p = on.place(&key, user("nobody"), b"");
+    assert_eq!((p.class, p.tenant), (Class::Priority, Some(0)));
+    assert_eq!((on.weight(Some(0)), on.max_waiting_of(Some(0))), (4, 256));
+}
