@@ -315,7 +315,8 @@ impl Classes {
             .and_then(|k| self.lookup.keys.get(&<[u8; 32]>::from(Sha256::digest(k))))
             .map(|&t| (t, Source::Key));
         let tenant = by_key.or_else(|| {
-            user.and_then(|u| self.lookup.users.get(&u))
+            user.filter(|_| !self.lookup.users.is_empty())
+                .and_then(|u| self.lookup.users.get(&u))
                 .map(|&t| (t, Source::User))
         });
         let mut unknown = None;

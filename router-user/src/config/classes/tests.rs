@@ -169,8 +169,10 @@ fn bad_tenants_are_refused() {
         ("[classes]\nheader = \"x class\"\n", "header name"),
         ("[classes]\nheadr = \"x\"\n", "unknown field"),
     ] {
-        let err = classes(bad).map(|_| ()).unwrap_err();
-        assert!(format!("{err:#}").contains(why), "{bad}: {err:#}");
+        let err = format!("{:#}", classes(bad).map(|_| ()).unwrap_err());
+        assert!(err.contains(why), "{bad}: {err}");
+        // A key written in clear by mistake is not echoed.
+        assert!(!err.contains("sk-plain"), "{err}");
     }
     // Upper-case digests are fine.
     classes(&format!(
