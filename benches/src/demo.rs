@@ -85,6 +85,8 @@ impl DemoCfg {
             policies: self.policies.clone(),
             alongside: None,
             api: testkit::workload::Api::Chat,
+            capped: None,
+            engine_restarts_s: Vec::new(),
         }
     }
 }

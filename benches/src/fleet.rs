@@ -187,6 +187,27 @@ impl Engine {
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
+
+    /// Kills it (SIGKILL: requests in flight are cut, its cache is lost)
+    /// and, `down` later, starts it again with `args` on the same address.
+    /// Call it from a thread that outlives the new process: a child dies
+    /// with the thread that started it (`PR_SET_PDEATHSIG`).
+    pub fn restart(&mut self, bins: &Bins, args: &[String], down: Duration) -> anyhow::Result<()> {
+        signal(self.child.pid(), libc::SIGKILL);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.child.spawned.is_running() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(down);
+        let mut cmd = Command::new(bins.path("sim-engine"));
+        cmd.args(["--listen", &self.addr.to_string(), "--id", &self.id])
+            .args(args);
+        cmd.env("RUST_LOG", "warn");
+        // The old child is reaped as it is replaced.
+        self.child = Child::spawn(cmd, &format!("sim-engine {}", self.id))?;
+        self.child.wait_line("listening on ")?;
+        Ok(())
+    }
 }
 
 /// Starts `n` engines named `engine-0..n`.

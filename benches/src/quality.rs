@@ -44,6 +44,23 @@ impl Default for Timing {
 }
 
 impl Timing {
+    /// `sim-engine` flags for row `qs`: this timing, or the row's capped
+    /// engines' with their batch cap.
+    pub fn engine_args_for(&self, qs: &QualityScenario) -> Vec<String> {
+        let Some(c) = qs.capped else {
+            return self.engine_args(qs.kv_blocks, qs.hide_capacity);
+        };
+        let timing = Timing {
+            prefill_tps: c.prefill_tps,
+            decode_step_ms: c.decode_step_ms,
+            decode_step_per_seq_ms: 0.0,
+            ..self.clone()
+        };
+        let mut v = timing.engine_args(qs.kv_blocks, qs.hide_capacity);
+        v.extend(["--max-num-seqs".to_string(), c.max_num_seqs.to_string()]);
+        v
+    }
+
     /// `sim-engine` flags for this timing, `kv_blocks` per engine, and
     /// `--hide-capacity` when the router must not be told it.
     pub fn engine_args(&self, kv_blocks: usize, hide_capacity: bool) -> Vec<String> {
@@ -489,6 +506,39 @@ fn combined_routing(times: &[RoutingTime]) -> RoutingTime {
 }
 
 /// Runs the workloads of `cfgs` at once against the same routers and
+/// Kills the last engine at each of `at_s` (real seconds after `epoch`)
+/// and starts it again on its address after a second down, its cache
+/// lost, until the traffic is `done`. Runs on the thread that outlives the
+/// engines (`PR_SET_PDEATHSIG`).
+fn restart_engines_at(
+    bins: &Bins,
+    engines: &mut [Engine],
+    args: &[String],
+    at_s: &[f64],
+    epoch: std::time::Instant,
+    done: &std::sync::atomic::AtomicBool,
+) -> anyhow::Result<()> {
+    let Some(engine) = engines.last_mut() else {
+        return Ok(());
+    };
+    for &at in at_s {
+        let when = epoch + Duration::from_secs_f64(at.max(0.0));
+        while std::time::Instant::now() < when {
+            if done.load(std::sync::atomic::Ordering::Relaxed) {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        engine.restart(bins, args, Duration::from_secs(1))?;
+        eprintln!(
+            "  engine {} killed and started again {:.1} s in",
+            engine.id,
+            epoch.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
 /// returns one trace: the later workloads' sessions and prefixes
 /// renumbered apart from the first's, every request numbered in the order
 /// it was sent.
@@ -540,13 +590,13 @@ pub fn run_one(
 ) -> anyhow::Result<PolicyRun> {
     anyhow::ensure!(!fleet::interrupted(), "interrupted");
     anyhow::ensure!(replicas >= 1, "at least one replica");
-    let args = timing.engine_args(qs.kv_blocks, qs.hide_capacity);
+    let args = timing.engine_args_for(qs);
     let parsed = match front {
         Front::Policy(p) => Some(parse_policy(p)),
         Front::Peer(..) => None,
     };
     let precise = parsed.is_some_and(|f| f.precise);
-    let (engines, events): (Vec<Engine>, Vec<fleet::EventPorts>) = if precise {
+    let (mut engines, events): (Vec<Engine>, Vec<fleet::EventPorts>) = if precise {
         fleet::start_engines_with_events(bins, qs.drive.engines, &args)?
             .into_iter()
             .unzip()
@@ -630,7 +680,15 @@ pub fn run_one(
                 Duration::from_secs_f64(at.max(0.0)),
                 done,
             ),
-            _ => Ok(None),
+            _ => restart_engines_at(
+                bins,
+                &mut engines,
+                &args,
+                &qs.engine_restarts_s,
+                epoch,
+                done,
+            )
+            .map(|()| None),
         };
         let ran = traffic
             .join()
@@ -950,7 +1008,8 @@ impl QualityCfg {
     }
 
     /// Keeps only the rows named in `names` (all when empty;
-    /// `cache-pressure` stands for [`crate::scenarios::CACHE_PRESSURE`]);
+    /// `cache-pressure` stands for [`crate::scenarios::CACHE_PRESSURE`],
+    /// `capped` for [`crate::scenarios::capped_rows`]);
     /// errors on an unknown name, listing the known ones.
     pub fn select(&mut self, names: &[String]) -> anyhow::Result<()> {
         if names.is_empty() {
@@ -961,6 +1020,11 @@ impl QualityCfg {
             .flat_map(|n| {
                 if n == crate::scenarios::CACHE_PRESSURE_SET {
                     crate::scenarios::CACHE_PRESSURE.map(String::from).to_vec()
+                } else if n == crate::scenarios::CAPPED_SET {
+                    crate::scenarios::capped_rows()
+                        .into_iter()
+                        .map(|r| r.name)
+                        .collect()
                 } else {
                     vec![n.clone()]
                 }

@@ -67,6 +67,27 @@ pub struct QualityScenario {
     /// which the engines render to the same prompts.
     #[serde(default)]
     pub api: Api,
+    /// Engines that cap their running batch, with a timing of their own
+    /// (`None`: the bench's timing, a batch cap that never binds).
+    #[serde(default)]
+    pub capped: Option<CappedEngines>,
+    /// Real seconds into the run at which the last engine is killed and
+    /// started again on its port, its cache lost.
+    #[serde(default)]
+    pub engine_restarts_s: Vec<f64>,
+}
+
+/// Engines that run at most `max_num_seqs` requests at once (vLLM's flag of
+/// that name; the rest wait first come, first served), with short answers:
+/// each running request holds its place for a prefill and a few decode
+/// steps, so a full batch delays a new request by about one of them.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub struct CappedEngines {
+    pub max_num_seqs: usize,
+    /// Prefill tokens per simulated second.
+    pub prefill_tps: f64,
+    /// One decode step in simulated ms, whatever the batch.
+    pub decode_step_ms: f64,
 }
 
 impl QualityScenario {
@@ -151,6 +172,8 @@ fn named(
             .to_vec(),
         alongside: None,
         api: Api::Chat,
+        capped: None,
+        engine_restarts_s: Vec::new(),
     }
 }
 
@@ -279,6 +302,8 @@ pub fn lockstep(kind: ScenarioKind) -> QualityScenario {
         .to_vec(),
         alongside: None,
         api: Api::Chat,
+        capped: None,
+        engine_restarts_s: Vec::new(),
     }
 }
 
@@ -346,6 +371,8 @@ fn templated_batch() -> QualityScenario {
             .to_vec(),
         alongside: None,
         api: Api::Chat,
+        capped: None,
+        engine_restarts_s: Vec::new(),
     }
 }
 
@@ -377,6 +404,62 @@ pub fn cache_pressure_extras() -> Vec<QualityScenario> {
     vec![published, templated_batch(), mixed]
 }
 
+/// The capped engines of the tail rows: 6 running requests each, 40 us of
+/// prefill per uncached token and 100 us per output token, real, at the
+/// bench's time scale of 0.25.
+pub const CAPPED: CappedEngines = CappedEngines {
+    max_num_seqs: 6,
+    prefill_tps: 6250.0,
+    decode_step_ms: 0.4,
+};
+
+/// The chats of the tail rows: 4 system prompts of 1,024 tokens, 6 turns of
+/// 160 tokens each answered in 24, and 400 ms (real) to think.
+fn capped_chat() -> Scenario {
+    Scenario {
+        prefixes: 4,
+        prefix_tokens: 1024,
+        user_tokens: 160,
+        max_tokens: 24,
+        turns: (6, 6),
+        ..Scenario::new(ScenarioKind::Chat)
+    }
+}
+
+/// Rows whose engines cap their running batch, where the tail is judged
+/// against the peers: 48 chats alone, the same with the last engine
+/// restarted twice, and the chats with an open-loop templated batch.
+pub fn capped_rows() -> Vec<QualityScenario> {
+    let chat = |name: &str, about: &str| {
+        let mut r = named(name, about, capped_chat(), 48, true);
+        r.kv_blocks = 600;
+        r.think_s = 1.6;
+        r.capped = Some(CAPPED);
+        r
+    };
+    let alone = chat(
+        "capped-chat",
+        "3 engines of 6 running requests each (the rest wait), 48 chats over 4 system prompts of 1,024 tokens with 400 ms (real) to think, 600-block caches, capacity not published",
+    );
+    let mut restart = chat(
+        "capped-restart",
+        "as capped-chat, the last engine killed and started again (cache lost) 15 and 30 s in",
+    );
+    restart.engine_restarts_s = vec![15.0, 30.0];
+    let mut mixed = chat(
+        "capped-chat-and-batch",
+        "as capped-chat, with the templated batch at 12 requests per simulated s on the same engines",
+    );
+    let mut batch = templated_batch();
+    batch.drive.arrivals_per_s = Some(12.0);
+    batch.scenario.max_tokens = 24;
+    mixed.alongside = Some(Box::new(batch));
+    vec![alone, restart, mixed]
+}
+
+/// The name that stands for [`capped_rows`] in `--scenario`.
+pub const CAPPED_SET: &str = "capped";
+
 /// The rows a run of several router replicas reports by default
 /// (`--scenario cache-pressure`): chats with think time with and without
 /// published capacity, the templated batch, chats with a batch.
@@ -402,6 +485,7 @@ pub fn default_rows() -> Vec<QualityScenario> {
 pub fn all() -> Vec<QualityScenario> {
     let mut v = named_scenarios();
     v.extend(cache_pressure_extras());
+    v.extend(capped_rows());
     v.extend(lockstep_scenarios());
     v
 }

@@ -252,6 +252,13 @@ pub struct PrefixConfig {
     pub full_cache_safety_factor: f64,
     /// `shared_gap` when the caches are full. 14.
     pub full_cache_shared_gap: u32,
+    /// The fleet counts as saturated when every eligible backend has at
+    /// least this many ms of prefill queued at its rate (0: never). Then a
+    /// request goes where it adds the least work (blocks it lacks, history
+    /// expected lost, a move's stranded copy), at the full-cache bounds:
+    /// spreading for a shorter queue recomputes prefixes that every queued
+    /// request then waits for (decision 0053). 250.
+    pub saturated_queue_ms: f64,
     /// Blocks a backend must hold for the request to count as warm there.
     pub min_match_blocks: u32,
     /// Leading blocks that key cold prompts (256 bytes: a system prompt's start).
@@ -321,6 +328,7 @@ impl Default for PrefixConfig {
             full_cache_epsilon: 1.0,
             full_cache_safety_factor: 2.5,
             full_cache_shared_gap: 14,
+            saturated_queue_ms: 250.0,
             min_match_blocks: 1,
             cold_key_blocks: 4,
             kv_blocks: 65_536,
@@ -360,6 +368,7 @@ impl PrefixConfig {
             full_cache_epsilon: self.full_cache_epsilon,
             full_cache_safety_factor: self.full_cache_safety_factor,
             full_cache_shared_gap: self.full_cache_shared_gap,
+            saturated_queue_s: self.saturated_queue_ms / 1e3,
         }
     }
 }

@@ -204,6 +204,7 @@ pub struct Metrics {
     decisions: DecisionCounters,
     /// Requests the prefix policy routed at the full-cache bounds.
     full_cache_routes: Counter,
+    saturated_routes: Counter,
     resends: Family<ResendLabels, Counter>,
     /// Requests answered 429 after waiting their class's deadline.
     shed: Family<ClassLabels, Counter>,
@@ -256,6 +257,12 @@ impl Metrics {
             "full_cache_routes",
             "Requests the prefix policy routed at the full-cache bounds (the fleet's caches held prefix.full_cache_pressure of their capacity)",
             full_cache_routes.clone(),
+        );
+        let saturated_routes = Counter::default();
+        registry.register(
+            "saturated_routes",
+            "Requests the prefix policy routed with the fleet saturated (every backend had prefix.saturated_queue_ms of prefill queued): by the work they add",
+            saturated_routes.clone(),
         );
         let resends = Family::default();
         registry.register(
@@ -381,6 +388,7 @@ impl Metrics {
             registry,
             decisions,
             full_cache_routes,
+            saturated_routes,
             resends,
             shed,
             class_refused,
@@ -403,6 +411,9 @@ impl Metrics {
         self.decisions.of(choice.decision).inc();
         if choice.full_cache {
             self.full_cache_routes.inc();
+        }
+        if choice.saturated {
+            self.saturated_routes.inc();
         }
         let matched_blocks = choice.matched_blocks;
         self.matched_blocks.observe(f64::from(matched_blocks));

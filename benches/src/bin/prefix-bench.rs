@@ -112,12 +112,14 @@ struct LlamaArgs {
 #[derive(clap::Args)]
 struct QualityArgs {
     /// Scenarios to run, comma-separated or repeated [default: all but the
-    /// extra cache-pressure rows; with several replica counts,
+    /// extra cache-pressure and capped rows; with several replica counts,
     /// cache-pressure]. Known: pressure-unpublished, pressure-published,
     /// think-48, hot-prompt, open-loop, think-48-published, templated-batch,
-    /// chat-and-batch, chat, few-shot, hot-prefix, long-doc, agent;
-    /// cache-pressure stands for think-48, think-48-published,
-    /// templated-batch and chat-and-batch.
+    /// chat-and-batch, capped-chat, capped-restart, capped-chat-and-batch,
+    /// chat, few-shot, hot-prefix, long-doc, agent; cache-pressure stands
+    /// for think-48, think-48-published, templated-batch and
+    /// chat-and-batch, capped for the three capped rows (engines that run
+    /// at most 6 requests at once).
     #[arg(long = "scenario", visible_alias = "scenarios", value_delimiter = ',')]
     scenarios: Vec<String>,
     /// prefix-router policies for every scenario [default: each scenario's

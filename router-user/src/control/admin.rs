@@ -286,6 +286,7 @@ fn explain(router: &Router, ep: Endpoint, head: &[u8], body: &[u8]) -> (u16, ser
             "chosen": candidates.first(),
             "why": why,
             "full_cache_bounds": routed.choice.full_cache,
+            "saturated": routed.choice.saturated,
             "candidates": scored,
             "fallbacks": candidates.get(1..).unwrap_or(&[]),
             "backends": backends_json(router)["backends"],

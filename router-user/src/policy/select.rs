@@ -37,6 +37,11 @@
 //!    capacity in use), epsilon, the safety factor and `shared_gap` are
 //!    the looser `full_cache_*` ones: a copy of a prompt on one more
 //!    engine then evicts as much of another's.
+//!    When the fleet is saturated (every backend has `saturated_queue_s`
+//!    of prefill queued) the bounds are those too, and backends rank by the
+//!    work a request adds (uncached, lost, moved, evicted) rather than by
+//!    predicted TTFT: a shorter queue is bought with a recomputed prefix
+//!    every queued request then waits for.
 //! 4. *Cold* (no backend holds `min_match_blocks`): rendezvous hashing on
 //!    the prompt's first blocks, skipping backends over the balance bound or
 //!    whose cache holds more than the emptiest's by `pressure_slack` of the
@@ -166,6 +171,10 @@ pub struct PrefixParams {
     pub full_cache_epsilon: f64,
     pub full_cache_safety_factor: f64,
     pub full_cache_shared_gap: u32,
+    /// The fleet is saturated when every eligible backend has at least this
+    /// much prefill queued, in seconds at its rate (0: never): placement
+    /// then ranks by the work a request adds, at the full-cache bounds.
+    pub saturated_queue_s: f64,
 }
 
 /// What the request brings to selection.
@@ -233,6 +242,9 @@ pub struct Choice {
     pub everywhere_blocks: u32,
     /// The `prefix` policy chose at the full-cache bounds.
     pub full_cache: bool,
+    /// The `prefix` policy chose with the fleet saturated: by the work the
+    /// request adds, at the full-cache bounds.
+    pub saturated: bool,
     /// Blocks the first candidate is predicted to prefill: those it lacks,
     /// plus the share of its private lead its answers say it loses
     /// (`BackendLoad::private_lost`), as its score counted them. Admission
@@ -281,6 +293,7 @@ pub fn select(
         shared_blocks: 0,
         everywhere_blocks: 0,
         full_cache: false,
+        saturated: false,
         prefill_blocks: 0,
     };
     let eligible = loads.iter().filter(|l| l.eligible).count();
@@ -355,6 +368,8 @@ struct PrefixView {
     /// The fleet's caches are full (`full_cache_pressure`): the bounds are
     /// the looser `full_cache_*` ones.
     full_cache: bool,
+    /// Every eligible backend has `saturated_queue_s` of prefill queued.
+    saturated: bool,
 }
 
 /// One backend's predicted time to first token, and its parts in blocks.
@@ -387,14 +402,25 @@ pub struct Score {
     pub pressure: f64,
 }
 
+impl Score {
+    /// The blocks a request routed here makes the fleet compute or lose:
+    /// what it lacks, the history expected lost, a slot's live
+    /// conversation it overwrites, the copy a move strands.
+    fn work_blocks(&self) -> f64 {
+        f64::from(self.uncached_blocks) + self.lost_blocks + self.evict_blocks + self.move_blocks
+    }
+}
+
 impl PrefixView {
     fn new(input: &RouteInput, loads: &[BackendLoad], p: &PrefixParams) -> PrefixView {
         let (mut total, mut n, mut longest, mut second) = (0u64, 0u64, 0u32, 0u32);
         let (mut least, mut fewest) = (u64::MAX, u32::MAX);
         let (mut used, mut capacity) = (0f64, 0f64);
         let mut holder_lost = 0f32;
+        let mut least_queue_s = f64::INFINITY;
         for (b, l) in loads.iter().enumerate() {
             if l.eligible {
+                least_queue_s = least_queue_s.min(f64::from(l.queued_prefill_blocks) / l.rate());
                 total += l.load();
                 least = least.min(l.load());
                 n += 1;
@@ -417,7 +443,12 @@ impl PrefixView {
         // copy of a prompt pushes out: the prompt is worth more kept whole
         // on its engines than spread for balance (decision 0020).
         let full_cache = capacity > 0.0 && used >= p.full_cache_pressure * capacity;
-        let (epsilon, safety_factor, shared_gap) = if full_cache {
+        // Every engine has work queued: a request sent to a shorter queue
+        // gets its first token sooner only by prefilling what another
+        // holds, which every request queued behind it then waits for. The
+        // fleet serves most by recomputing least (decision 0053).
+        let saturated = n > 0 && p.saturated_queue_s > 0.0 && least_queue_s >= p.saturated_queue_s;
+        let (epsilon, safety_factor, shared_gap) = if full_cache || saturated {
             (
                 p.full_cache_epsilon,
                 p.full_cache_safety_factor,
@@ -452,6 +483,7 @@ impl PrefixView {
                 _ => longest - second < p.sticky_min_blocks,
             },
             full_cache,
+            saturated,
         }
     }
 
@@ -525,6 +557,7 @@ fn prefix(
     let view = PrefixView::new(input, loads, p);
     choice.everywhere_blocks = view.everywhere;
     choice.full_cache = view.full_cache;
+    choice.saturated = view.saturated;
     let decision = &mut choice.decision;
     if view.longest < p.min_match_blocks.max(1) {
         *decision = Decision::Cold;
@@ -544,7 +577,19 @@ fn prefix(
     // starts, so starts are what spreads load, while a copy of the prompt on
     // one more engine still costs its prefill and the room it takes.
     let holds_start = |s: &Score| s.matched_blocks >= p.min_match_blocks.max(1);
-    let unloaded = |s: &Score| s.predicted_ttft_s - s.overload_blocks / s.prefill_blocks_per_s;
+    // Saturated, a request is ranked by the blocks it makes the fleet
+    // compute (or lose) alone: queues are long everywhere, and even a
+    // small weight on them spreads prompts for a shorter one (46.8% of
+    // hits at 0.02 of a block per queued block, 53.8% at 0, decision
+    // 0053). Ties go by rendezvous on the prompt's start, so a shared
+    // prompt keeps to one engine until the bounds move it.
+    let unloaded = |s: &Score| {
+        if view.saturated {
+            s.work_blocks() / s.prefill_blocks_per_s
+        } else {
+            s.predicted_ttft_s - s.overload_blocks / s.prefill_blocks_per_s
+        }
+    };
     // The fastest start-holder, overload aside: a backend that lacks the
     // start joins the first tier only if it beats that (a long queue there).
     let holder_ttft = loads
@@ -575,6 +620,8 @@ fn prefix(
             // Under the bound nothing is overloaded.
             let key = if tier == Tier::HoldsStartUnderBound {
                 unloaded(&s)
+            } else if view.saturated {
+                unloaded(&s) + s.overload_blocks / s.prefill_blocks_per_s
             } else {
                 s.predicted_ttft_s
             };

@@ -19,6 +19,7 @@ const P: PrefixParams = PrefixParams {
     full_cache_epsilon: 1.0,
     full_cache_safety_factor: 2.5,
     full_cache_shared_gap: 14,
+    saturated_queue_s: 0.0,
 };
 
 /// The defaults' way with conversations and new ones (see `config.rs`):
@@ -469,4 +470,70 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn a_saturated_fleet_keeps_a_prompt_where_it_is_whatever_the_queues() {
+    // A template one engine holds (80 of 90 blocks), every engine with
+    // prefill queued, the holder's queue 400 blocks longer than the others'.
+    let p = PrefixParams {
+        saturated_queue_s: 0.25,
+        ..HOLD
+    };
+    let mut loads = fleet(3);
+    for l in &mut loads {
+        l.prefill_rate = 1000.0;
+        l.queued_prefill_blocks = 300;
+        l.in_flight = 10;
+    }
+    loads[0].queued_prefill_blocks = 700;
+    let m = [80, 0, 0];
+    let mut i = input(&m, 90, 1);
+    i.answered = Some(false);
+    // 300 blocks queued at 1,000 a second is 0.3 s: saturated. The holder
+    // adds 10 blocks of work, the others 90: it stays.
+    let c = select(Policy::Prefix, &i, &loads, &p);
+    assert_eq!((c.first(), c.saturated), (Some(0), true));
+    // Under 0.25 s queued somewhere: predicted TTFT decides again, and the
+    // 400 queued blocks outweigh the 80 the template would cost elsewhere.
+    loads[2].queued_prefill_blocks = 200;
+    let c = select(Policy::Prefix, &i, &loads, &p);
+    assert!(!c.saturated);
+    assert_ne!(c.first(), Some(0));
+    // Saturated, the bounds still hold: past the safety cap it moves.
+    loads[2].queued_prefill_blocks = 300;
+    loads[0].in_flight = 40;
+    let c = select(Policy::Prefix, &i, &loads, &p);
+    assert!(c.saturated);
+    assert_ne!(c.first(), Some(0));
+}
+
+#[test]
+fn saturated_ties_go_to_one_engine_per_prompt() {
+    // Every engine holds the system prompt and has a queue: each new
+    // conversation on it adds the same work anywhere, so its start's
+    // rendezvous picks the engine, the same one whatever the queues.
+    let p = PrefixParams {
+        saturated_queue_s: 0.25,
+        ..HOLD
+    };
+    let mut loads = fleet(3);
+    for (b, l) in loads.iter_mut().enumerate() {
+        l.prefill_rate = 1000.0;
+        l.queued_prefill_blocks = 300 + 100 * b as u32;
+        l.in_flight = 10;
+    }
+    let m = [64, 64, 64];
+    let mut i = input(&m, 74, 7);
+    i.answered = Some(false);
+    let first = select(Policy::Prefix, &i, &loads, &p).first();
+    loads.reverse();
+    let ids: Vec<u64> = loads.iter().map(|l| l.id_hash).collect();
+    let again = select(Policy::Prefix, &i, &loads, &p).first().unwrap();
+    let before = fleet(3);
+    assert_eq!(
+        before.iter().position(|l| l.id_hash == ids[again]),
+        first,
+        "the same engine whichever queue is shorter"
+    );
 }
