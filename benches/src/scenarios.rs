@@ -428,7 +428,8 @@ fn capped_chat() -> Scenario {
 
 /// Rows whose engines cap their running batch, where the tail is judged
 /// against the peers: 48 chats alone, the same with the last engine
-/// restarted twice, and the chats with an open-loop templated batch.
+/// restarted twice, the chats with an open-loop templated batch, and the
+/// chats with a batch surge marked `flex`.
 pub fn capped_rows() -> Vec<QualityScenario> {
     let chat = |name: &str, about: &str| {
         let mut r = named(name, about, capped_chat(), 48, true);
@@ -454,7 +455,31 @@ pub fn capped_rows() -> Vec<QualityScenario> {
     batch.drive.arrivals_per_s = Some(12.0);
     batch.scenario.max_tokens = 24;
     mixed.alongside = Some(Box::new(batch));
-    vec![alone, restart, mixed]
+    vec![alone, restart, mixed, surge()]
+}
+
+/// The chats of the tail rows with a batch surge marked `service_tier:
+/// "flex"`: the templated batch at 17.5 requests per simulated s (70 a
+/// real second), above what the capped engines can serve, so every queue
+/// fills with batch work unless the router holds it back
+/// (`[classes]`; run it with and without, e.g. `prefix+classes.toml`).
+pub fn surge() -> QualityScenario {
+    let mut r = named(
+        "capped-surge",
+        "as capped-chat, with a batch surge marked service_tier flex (the templated batch at 17.5 requests per simulated s, above what the fleet serves)",
+        capped_chat(),
+        48,
+        true,
+    );
+    r.kv_blocks = 600;
+    r.think_s = 1.6;
+    r.capped = Some(CAPPED);
+    let mut batch = templated_batch();
+    batch.drive.arrivals_per_s = Some(17.5);
+    batch.scenario.max_tokens = 24;
+    batch.scenario.service_tier = Some("flex".into());
+    r.alongside = Some(Box::new(batch));
+    r
 }
 
 /// The name that stands for [`capped_rows`] in `--scenario`.

@@ -155,6 +155,10 @@ impl Api {
                 }
             }
         }
+        if let Some(tier) = f.service_tier {
+            b.extend_from_slice(b",\"service_tier\":");
+            string(&mut b, tier);
+        }
         b.push(b'}');
         b
     }
@@ -178,6 +182,9 @@ pub struct Fields<'a> {
     pub session: u64,
     /// Streamed answers (chat: with the usage chunk).
     pub stream: bool,
+    /// The OpenAI API's `service_tier` (`priority`, `default`, `flex`),
+    /// sent on every API when set.
+    pub service_tier: Option<&'a str>,
 }
 
 impl Fields<'_> {

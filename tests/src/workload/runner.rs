@@ -169,6 +169,7 @@ impl Ctx {
             max_tokens: self.cfg.scenario.max_tokens,
             session,
             stream: self.cfg.stream,
+            service_tier: self.cfg.scenario.service_tier.as_deref(),
         };
         self.cfg.api.body(&fields, messages, previous)
     }

@@ -81,6 +81,10 @@ pub struct Scenario {
     /// this (a personal part of varying length); 0 = exactly `user_tokens`.
     #[serde(default)]
     pub user_tokens_max: usize,
+    /// Sent as every request's `service_tier` (`flex`: batch work the
+    /// router may hold back while engines are busy); `None`: not sent.
+    #[serde(default)]
+    pub service_tier: Option<String>,
 }
 
 impl Scenario {
@@ -99,6 +103,7 @@ impl Scenario {
             popularity_zipf_s: 0.0,
             prefix_tokens_min: 0,
             user_tokens_max: 0,
+            service_tier: None,
         };
         match kind {
             ScenarioKind::Chat => base,

@@ -40,6 +40,7 @@ fn fields(stream: bool) -> Fields<'static> {
         max_tokens: 8,
         session: 7,
         stream,
+        service_tier: None,
     }
 }
 
