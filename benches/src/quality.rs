@@ -290,6 +290,21 @@ fn print_learned_capacity(r: &Router, qs: &QualityScenario) {
         "  {}: learned capacity {learned:?} router blocks (each engine holds {} of its own 16-token blocks); flushes detected {flushes:?}; prefill rates {rates:?} blocks/s",
         qs.name, qs.kv_blocks
     );
+    // How many decisions were made at the looser bounds.
+    let metrics = r.metrics().unwrap_or_default();
+    let count = |name: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    eprintln!(
+        "  {}: routed at the full-cache bounds {:.0}, with the fleet saturated {:.0}",
+        qs.name,
+        count("prefix_router_full_cache_routes_total"),
+        count("prefix_router_saturated_routes_total"),
+    );
 }
 
 /// A folder to write every run's per-request records into, as
