@@ -388,11 +388,15 @@ impl Router {
         scratch: &mut RouteScratch,
         blocks: &mut PromptBlocks,
     ) -> Result<Routed, RouterError> {
+        let cfg = self.config.load();
         let (seed, user, has_prompt) = match query.endpoint {
             Some(ep) => {
                 let p = match query.scanned {
                     Some(p) => p,
-                    None => scan(ep, query.body, &mut scratch.canon)?,
+                    None => {
+                        scratch.canon.set_limit(self.canonical_limit(&cfg));
+                        scan(ep, query.body, &mut scratch.canon)?
+                    }
                 };
                 scratch.answered = ep.is_chat().then(|| scratch.canon.answered());
                 (p.seed, p.user, true)
@@ -527,6 +531,17 @@ impl Router {
         })
     }
 
+    /// The most of a canonical prompt routing reads: the blocks it hashes
+    /// (`MAX_PROMPT_BLOCKS`) and precise mode's token budget. A scan keeps
+    /// no more of it (`Canonical::set_limit`).
+    fn canonical_limit(&self, cfg: &Config) -> usize {
+        let blocks = cfg.prefix.block_bytes.saturating_mul(MAX_PROMPT_BLOCKS);
+        let tokens = self.precise.as_ref().map_or(0, |p| {
+            p.tokenizers.max_tokens.saturating_mul(CUT_BYTES_PER_TOKEN)
+        });
+        blocks.max(tokens)
+    }
+
     /// Precise mode: the tokenizing [`Router::route`] will need for this
     /// request when it is a model tokenizer's, to be done off the traffic
     /// worker (`precise::offload`) and handed to `route` as
@@ -539,6 +554,8 @@ impl Router {
         scratch.scanned = None;
         let p = self.precise.as_ref()?;
         let ep = query.endpoint?;
+        let cfg = self.config.load();
+        scratch.canon.set_limit(self.canonical_limit(&cfg));
         scratch.scanned = Some(scan(ep, query.body, &mut scratch.canon).ok()?);
         let crate::precise::tokenizer::Choice::Model(t) =
             p.tokenizers.for_model(scratch.canon.model())
@@ -562,7 +579,7 @@ impl Router {
         let want = table
             .resolve(scratch.canon.model(), scratch.canon.adapter())
             .ok()?;
-        if want.policy().unwrap_or(self.config.load().policy) != Policy::Prefix {
+        if want.policy().unwrap_or(cfg.policy) != Policy::Prefix {
             return None;
         }
         if ep.is_chat() && !t.use_template() {

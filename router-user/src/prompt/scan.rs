@@ -23,12 +23,19 @@ enum Piece {
     Aux(usize, usize),
 }
 
-/// The canonical prompt of one body, as pieces.
-#[derive(Debug, Default)]
+/// The canonical prompt of one body, as pieces: its first
+/// [`Canonical::set_limit`] bytes, and the length of all of it.
+#[derive(Debug)]
 pub struct Canonical {
     pieces: Vec<Piece>,
     aux: Vec<u8>,
+    /// Bytes of the whole canonical prompt.
     len: usize,
+    /// Bytes the pieces hold: `len` up to `limit`.
+    kept: usize,
+    /// Most bytes kept; what comes after is counted, never copied or
+    /// decoded into a buffer (kept across `clear`).
+    limit: usize,
     /// Side-buffer bytes merge only into pieces from this one on (a
     /// message's content is moved behind its header afterwards).
     merge_from: usize,
@@ -53,10 +60,46 @@ pub struct Canonical {
     tier: Vec<u8>,
 }
 
+impl Default for Canonical {
+    fn default() -> Canonical {
+        Canonical {
+            pieces: Vec::new(),
+            aux: Vec::new(),
+            len: 0,
+            kept: 0,
+            limit: usize::MAX,
+            merge_from: 0,
+            token_ids: false,
+            salt: Vec::new(),
+            model: Vec::new(),
+            adapter: Vec::new(),
+            answered: false,
+            previous_response: Vec::new(),
+            store: false,
+            tier: Vec::new(),
+        }
+    }
+}
+
 impl Canonical {
-    /// Bytes of canonical prompt.
+    /// Bytes of the whole canonical prompt (kept or not).
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Keeps at most the first `limit` bytes of the canonical prompt from
+    /// the next scan on (the most any reader reads: the router's is
+    /// `Router::canonical_limit`). Past it a scan still validates the
+    /// body and counts the prompt's bytes, but copies and decodes none:
+    /// a 30 MiB message costs a pass over its bytes, not two copies of
+    /// them in fresh memory.
+    pub fn set_limit(&mut self, limit: usize) {
+        self.limit = limit;
+    }
+
+    /// Room left under the limit.
+    fn room(&self) -> usize {
+        self.limit.saturating_sub(self.kept)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -67,6 +110,7 @@ impl Canonical {
         self.pieces.clear();
         self.aux.clear();
         self.len = 0;
+        self.kept = 0;
         self.merge_from = 0;
         self.token_ids = false;
         self.salt.clear();
@@ -123,13 +167,24 @@ impl Canonical {
     }
 
     fn body(&mut self, start: usize, end: usize) {
-        if end > start {
-            self.pieces.push(Piece::Body(start, end));
-            self.len += end - start;
+        let n = end - start;
+        self.len += n;
+        let k = n.min(self.room());
+        if k > 0 {
+            self.pieces.push(Piece::Body(start, start + k));
+            self.kept += k;
         }
     }
 
     fn aux(&mut self, bytes: &[u8]) {
+        self.aux_of(bytes, bytes.len());
+    }
+
+    /// Side-buffer bytes standing for `total` bytes of the prompt (more
+    /// when a decoded string was cut at the limit): what fits is kept.
+    fn aux_of(&mut self, bytes: &[u8], total: usize) {
+        let bytes = &bytes[..bytes.len().min(self.room())];
+        self.len += total;
         if bytes.is_empty() {
             return;
         }
@@ -143,7 +198,7 @@ impl Canonical {
             }
             _ => self.pieces.push(Piece::Aux(start, self.aux.len())),
         }
-        self.len += bytes.len();
+        self.kept += bytes.len();
     }
 
     /// The pieces' bytes in order; `body` is the body scanned.
@@ -171,10 +226,11 @@ impl Canonical {
         })
     }
 
-    /// Writes the canonical prompt to `out` (cleared first).
+    /// Writes the canonical prompt (what was kept of it) to `out`
+    /// (cleared first).
     pub fn write_to(&self, body: &[u8], out: &mut Vec<u8>) {
         out.clear();
-        out.reserve(self.len);
+        out.reserve(self.kept);
         for p in self.pieces(body) {
             out.extend_from_slice(p);
         }
@@ -184,7 +240,7 @@ impl Canonical {
     /// `out` (cleared first); true when that is not all of it.
     pub fn write_prefix_to(&self, body: &[u8], out: &mut Vec<u8>, max: usize) -> bool {
         out.clear();
-        out.reserve(self.len.min(max));
+        out.reserve(self.kept.min(max));
         for p in self.pieces(body) {
             let room = max - out.len();
             if p.len() >= room {
@@ -193,7 +249,7 @@ impl Canonical {
             }
             out.extend_from_slice(p);
         }
-        false
+        self.len > out.len()
     }
 
     /// Gives back a side buffer over `keep` bytes.
@@ -248,6 +304,7 @@ pub fn scan(endpoint: Endpoint, body: &[u8], canon: &mut Canonical) -> Result<Pr
         i: 0,
         canon,
         key: Vec::new(),
+        decoded_len: 0,
     };
     let fields = s.top(endpoint).map_err(|e| e.into_error(body))?;
     let field = |r: Option<Str>| r.map(|s| s.bytes(body, &fields.decoded));
@@ -279,6 +336,7 @@ pub fn scan(endpoint: Endpoint, body: &[u8], canon: &mut Canonical) -> Result<Pr
                     i: at,
                     canon,
                     key: Vec::new(),
+                    decoded_len: 0,
                 };
                 again
                     .prompt_input(true, false)
@@ -363,12 +421,44 @@ struct Seen {
     service_tier: bool,
 }
 
+/// Decoded bytes of a key kept: more than the longest key routing reads,
+/// so a longer one, cut here, is classified as no key it knows.
+const KEY_KEEP: usize = 64;
+
+/// A buffer a string is decoded into, holding at most `max` bytes; the
+/// string's whole decoded length is counted.
+struct Kept<'o> {
+    out: &'o mut Vec<u8>,
+    max: usize,
+    total: usize,
+}
+
+impl Kept<'_> {
+    #[inline]
+    fn put(&mut self, bytes: &[u8]) {
+        self.total += bytes.len();
+        let room = self.max.saturating_sub(self.out.len());
+        self.out.extend_from_slice(&bytes[..bytes.len().min(room)]);
+    }
+
+    #[inline]
+    fn byte(&mut self, b: u8) {
+        self.total += 1;
+        if self.out.len() < self.max {
+            self.out.push(b);
+        }
+    }
+}
+
 struct Scanner<'a, 'c> {
     b: &'a [u8],
     i: usize,
     canon: &'c mut Canonical,
     /// A key with escapes, decoded.
     key: Vec<u8>,
+    /// The whole decoded length of the last string with escapes (what its
+    /// `Str::Decoded` holds may be cut, see `string_kept`).
+    decoded_len: usize,
 }
 
 /// Bytes a string's fast scan stops at: the quote, a backslash, a control
@@ -585,7 +675,7 @@ impl<'a> Scanner<'a, '_> {
             if self.peek() != Some(b'"') {
                 return self.bad("expected a key");
             }
-            let key = match self.string(None)? {
+            let key = match self.string_kept(None, KEY_KEEP)? {
                 Str::Raw(a, e) => classify(&self.b[a..e]),
                 Str::Decoded(..) => classify(&self.key),
             };
@@ -624,8 +714,13 @@ impl<'a> Scanner<'a, '_> {
 
     /// A string or null.
     fn opt_string(&mut self, decoded: &mut Vec<u8>) -> Res<Option<Str>> {
+        self.opt_string_kept(decoded, usize::MAX)
+    }
+
+    /// A string or null, as [`Self::string_kept`] reads it.
+    fn opt_string_kept(&mut self, decoded: &mut Vec<u8>, keep: usize) -> Res<Option<Str>> {
         match self.peek() {
-            Some(b'"') => self.string(Some(decoded)).map(Some),
+            Some(b'"') => self.string_kept(Some(decoded), keep).map(Some),
             Some(b'n') => self.literal(b"null").map(|()| None),
             _ => self.bad("expected a string or null"),
         }
@@ -634,6 +729,13 @@ impl<'a> Scanner<'a, '_> {
     /// A string at the cursor. Escaped strings are decoded into `decoded`
     /// when given, else into `self.key`.
     fn string(&mut self, decoded: Option<&mut Vec<u8>>) -> Res<Str> {
+        self.string_kept(decoded, usize::MAX)
+    }
+
+    /// A string at the cursor. An escaped one is decoded into `decoded`
+    /// (else `self.key`) up to `keep` bytes, the rest validated and
+    /// counted, not stored: its whole decoded length is `decoded_len`.
+    fn string_kept(&mut self, decoded: Option<&mut Vec<u8>>, keep: usize) -> Res<Str> {
         self.i += 1; // the quote
         let start = self.i;
         let mut utf8_from = None;
@@ -649,7 +751,7 @@ impl<'a> Scanner<'a, '_> {
                 }
                 Some(b'\\') => {
                     self.check_utf8(utf8_from, self.i)?;
-                    return self.escaped(start, decoded);
+                    return self.escaped(start, decoded, keep);
                 }
                 Some(&c) if c < 0x20 => return self.bad("control character in a string"),
                 Some(_) => {
@@ -677,8 +779,9 @@ impl<'a> Scanner<'a, '_> {
     }
 
     /// The rest of a string that has escapes, from `start` (its first byte)
-    /// with the cursor on the first backslash.
-    fn escaped(&mut self, start: usize, decoded: Option<&mut Vec<u8>>) -> Res<Str> {
+    /// with the cursor on the first backslash; at most `keep` bytes of it
+    /// decoded into the buffer.
+    fn escaped(&mut self, start: usize, decoded: Option<&mut Vec<u8>>, keep: usize) -> Res<Str> {
         let mut key = std::mem::take(&mut self.key);
         let out = match decoded {
             Some(d) => d,
@@ -688,15 +791,21 @@ impl<'a> Scanner<'a, '_> {
             }
         };
         let from = out.len();
-        out.extend_from_slice(&self.b[start..self.i]);
-        let r = self.decode_rest(out);
-        let end = out.len();
+        let mut out = Kept {
+            max: from.saturating_add(keep),
+            out,
+            total: 0,
+        };
+        out.put(&self.b[start..self.i]);
+        let r = self.decode_rest(&mut out);
+        let end = out.out.len();
+        self.decoded_len = out.total;
         self.key = key;
         r.map(|()| Str::Decoded(from, end))
     }
 
     /// Decodes up to the closing quote into `out`; the cursor is on a backslash.
-    fn decode_rest(&mut self, out: &mut Vec<u8>) -> Res<()> {
+    fn decode_rest(&mut self, out: &mut Kept) -> Res<()> {
         loop {
             let seg = self.i;
             self.fast_scan();
@@ -712,7 +821,7 @@ impl<'a> Scanner<'a, '_> {
                 }
             }
             self.check_utf8(utf8_from, self.i)?;
-            out.extend_from_slice(&self.b[seg..self.i]);
+            out.put(&self.b[seg..self.i]);
             match self.b.get(self.i) {
                 None => return self.bad("unterminated string"),
                 Some(b'"') => {
@@ -726,18 +835,18 @@ impl<'a> Scanner<'a, '_> {
                     };
                     self.i += 1;
                     match e {
-                        b'"' => out.push(b'"'),
-                        b'\\' => out.push(b'\\'),
-                        b'/' => out.push(b'/'),
-                        b'b' => out.push(0x08),
-                        b'f' => out.push(0x0c),
-                        b'n' => out.push(b'\n'),
-                        b'r' => out.push(b'\r'),
-                        b't' => out.push(b'\t'),
+                        b'"' => out.byte(b'"'),
+                        b'\\' => out.byte(b'\\'),
+                        b'/' => out.byte(b'/'),
+                        b'b' => out.byte(0x08),
+                        b'f' => out.byte(0x0c),
+                        b'n' => out.byte(b'\n'),
+                        b'r' => out.byte(b'\r'),
+                        b't' => out.byte(b'\t'),
                         b'u' => {
                             let c = self.unicode_escape()?;
                             let mut buf = [0u8; 4];
-                            out.extend_from_slice(c.encode_utf8(&mut buf).as_bytes());
+                            out.put(c.encode_utf8(&mut buf).as_bytes());
                         }
                         _ => {
                             self.i -= 1;
@@ -932,29 +1041,37 @@ impl<'a> Scanner<'a, '_> {
         self.eat(b':', "expected ':'")
     }
 
-    /// Skips a string, validating its escapes and UTF-8.
+    /// Skips a string, validating its escapes and UTF-8 (nothing decoded
+    /// is kept).
     fn skip_string(&mut self) -> Res<()> {
         let mut scratch = std::mem::take(&mut self.key);
         scratch.clear();
-        let r = self.string(Some(&mut scratch)).map(|_| ());
+        let r = self.string_kept(Some(&mut scratch), 0).map(|_| ());
         self.key = scratch;
         r
     }
 
-    /// A string whose bytes go to the canonical prompt when `write`.
+    /// A string whose bytes go to the canonical prompt when `write` (as
+    /// much as the canonical form keeps, see `Canonical::set_limit`).
     fn canon_string(&mut self, write: bool) -> Res<()> {
         if !write {
             return self.skip_string();
         }
         let mut dec = std::mem::take(&mut self.key);
         dec.clear();
-        let r = self.string(Some(&mut dec));
-        let r = r.map(|s| match s {
-            Str::Raw(a, e) => self.canon.body(a, e),
-            Str::Decoded(a, e) => self.canon.aux(&dec[a..e]),
-        });
+        let r = self.string_kept(Some(&mut dec), self.canon.room());
+        let r = r.map(|s| self.canon_push(s, &dec, self.decoded_len));
         self.key = dec;
         r
+    }
+
+    /// A string read by [`Self::string_kept`] into the canonical prompt,
+    /// its decoded bytes (if any) in `decoded`.
+    fn canon_push(&mut self, s: Str, decoded: &[u8], decoded_len: usize) {
+        match s {
+            Str::Raw(a, e) => self.canon.body(a, e),
+            Str::Decoded(a, e) => self.canon.aux_of(&decoded[a..e], decoded_len),
+        }
     }
 
     /// `messages`: null (returns false) or an array of messages.
@@ -975,7 +1092,7 @@ impl<'a> Scanner<'a, '_> {
             return self.bad("a message must be an object");
         }
         let mark = self.canon.pieces.len();
-        let len_before = self.canon.len;
+        let (len_before, kept_before) = (self.canon.len, self.canon.kept);
         self.canon.merge_from = mark;
         let mut role: Option<Str> = None;
         let mut role_buf = Vec::new();
@@ -1004,9 +1121,12 @@ impl<'a> Scanner<'a, '_> {
         };
         self.canon.answered |= role.bytes(self.b, &role_buf) == b"assistant";
         if write {
-            // The content's pieces (pushed since `mark`) go after the header.
+            // The content's pieces (pushed since `mark`) go after the
+            // header, as much of them as the limit keeps then.
             let content: Vec<Piece> = self.canon.pieces.drain(mark..).collect();
-            self.canon.len = len_before;
+            let content_len = self.canon.len - len_before;
+            let content_kept = self.canon.kept - kept_before;
+            (self.canon.len, self.canon.kept) = (len_before, kept_before);
             self.canon.merge_from = 0;
             self.canon.aux(&[MESSAGE_START]);
             match role {
@@ -1014,13 +1134,25 @@ impl<'a> Scanner<'a, '_> {
                 Str::Decoded(a, e) => self.canon.aux(&role_buf[a..e]),
             }
             self.canon.aux(&[ROLE_END]);
-            for p in content {
-                let n = match p {
-                    Piece::Body(s, e) | Piece::Aux(s, e) => e - s,
-                };
-                self.canon.pieces.push(p);
-                self.canon.len += n;
+            if content_kept <= self.canon.room() {
+                // All of it (any prompt under the limit).
+                self.canon.pieces.extend(content);
+                self.canon.kept += content_kept;
+            } else {
+                for p in content {
+                    let room = self.canon.room();
+                    let p = match p {
+                        Piece::Body(s, e) => Piece::Body(s, s + (e - s).min(room)),
+                        Piece::Aux(s, e) => Piece::Aux(s, s + (e - s).min(room)),
+                    };
+                    let (Piece::Body(s, e) | Piece::Aux(s, e)) = p;
+                    if e > s {
+                        self.canon.pieces.push(p);
+                        self.canon.kept += e - s;
+                    }
+                }
             }
+            self.canon.len += content_len;
         }
         self.canon.merge_from = 0;
         Ok(())
@@ -1044,8 +1176,10 @@ impl<'a> Scanner<'a, '_> {
         if self.peek() != Some(b'{') {
             return self.bad("a content part must be an object");
         }
-        let mut text: Option<Str> = None;
-        let mut url: Option<Str> = None;
+        let (mut text, mut url) = (None, None);
+        let (mut text_len, mut url_len) = (0, 0);
+        // Decoded bytes past what the canonical form keeps are not stored.
+        let keep = if write { self.canon.room() } else { 0 };
         let (mut text_buf, mut url_buf) = (Vec::new(), Vec::new());
         let (mut saw_text, mut saw_image) = (false, false);
         self.fields(inner_key, |s, key| match key {
@@ -1053,31 +1187,33 @@ impl<'a> Scanner<'a, '_> {
                 if std::mem::replace(&mut saw_text, true) {
                     return s.bad("duplicate field 'text'");
                 }
-                text = s.opt_string(&mut text_buf)?;
+                text = s.opt_string_kept(&mut text_buf, keep)?;
+                text_len = s.decoded_len;
                 Ok(())
             }
             InnerKey::ImageUrl => {
                 if std::mem::replace(&mut saw_image, true) {
                     return s.bad("duplicate field 'image_url'");
                 }
-                url = s.image_url(&mut url_buf)?;
+                url = s.image_url(&mut url_buf, keep)?;
+                url_len = s.decoded_len;
                 Ok(())
             }
             _ => s.skip(),
         })?;
         if write {
             match (text, url) {
-                (Some(Str::Raw(a, e)), _) | (None, Some(Str::Raw(a, e))) => self.canon.body(a, e),
-                (Some(Str::Decoded(a, e)), _) => self.canon.aux(&text_buf[a..e]),
-                (None, Some(Str::Decoded(a, e))) => self.canon.aux(&url_buf[a..e]),
+                (Some(t), _) => self.canon_push(t, &text_buf, text_len),
+                (None, Some(u)) => self.canon_push(u, &url_buf, url_len),
                 (None, None) => {}
             }
         }
         Ok(())
     }
 
-    /// `image_url`: null or an object with a string `url`.
-    fn image_url(&mut self, buf: &mut Vec<u8>) -> Res<Option<Str>> {
+    /// `image_url`: null or an object with a string `url` (decoded into
+    /// `buf` up to `keep` bytes).
+    fn image_url(&mut self, buf: &mut Vec<u8>, keep: usize) -> Res<Option<Str>> {
         match self.peek() {
             Some(b'n') => return self.literal(b"null").map(|()| None),
             Some(b'{') => {}
@@ -1092,7 +1228,7 @@ impl<'a> Scanner<'a, '_> {
                 if s.peek() != Some(b'"') {
                     return s.bad("'url' must be a string");
                 }
-                url = Some(s.string(Some(&mut *buf))?);
+                url = Some(s.string_kept(Some(&mut *buf), keep)?);
                 Ok(())
             }
             _ => s.skip(),

@@ -223,6 +223,36 @@ proptest! {
         agree(ep, &b)?;
     }
 
+    /// With a limit, the scan reads the body alike (accepted or refused,
+    /// the same seed, user, model and whole length) and keeps exactly
+    /// the first `limit` bytes of the canonical prompt.
+    #[test]
+    fn a_limit_keeps_the_canonical_prompts_first_bytes(ep in endpoints(), b in body(),
+                                                       limit in prop_oneof![0usize..8, 0usize..400]) {
+        let mut whole = Canonical::default();
+        let mut cut = Canonical::default();
+        cut.set_limit(limit);
+        let (a, c) = (scan(ep, &b, &mut whole), scan(ep, &b, &mut cut));
+        match (a, c) {
+            (Ok(a), Ok(c)) => {
+                prop_assert_eq!((a.seed, a.user), (c.seed, c.user));
+                prop_assert_eq!(whole.len(), cut.len());
+                prop_assert_eq!(whole.model(), cut.model());
+                prop_assert_eq!(whole.answered(), cut.answered());
+                let (mut w, mut k) = (Vec::new(), Vec::new());
+                whole.write_to(&b, &mut w);
+                cut.write_to(&b, &mut k);
+                prop_assert_eq!(&w[..w.len().min(limit)], &k[..]);
+                let mut prefix = Vec::new();
+                let more = cut.write_prefix_to(&b, &mut prefix, limit);
+                prop_assert_eq!(&prefix, &k);
+                prop_assert_eq!(more, whole.len() > prefix.len());
+            }
+            (Err(a), Err(c)) => prop_assert_eq!(a.status(), c.status()),
+            (a, c) => prop_assert!(false, "{:?} / {:?}", a.map(|_| ()), c.map(|_| ())),
+        }
+    }
+
     /// The hashes routing takes from the pieces are the reference's.
     #[test]
     fn block_hashes_equal_the_reference(b in body(), block in 1usize..80) {
@@ -273,6 +303,32 @@ fn a_long_prompt_is_pieces_of_the_body() {
     // Separators and roles aside, nothing was copied.
     assert!(c.aux.len() < 64, "{} bytes copied", c.aux.len());
     assert_eq!(c.len(), text.len() + "system".len() + "user".len() + 2 + 4);
+}
+
+#[test]
+fn a_prompt_past_the_limit_is_counted_not_copied() {
+    // A message with escapes (a newline every few words) is decoded, and
+    // each part's text too; past the limit neither is kept anywhere.
+    let text = "lorem ipsum\ndolor \"sit\" amet ".repeat(40_000);
+    for content in [json!(text), json!([{"type": "text", "text": text}])] {
+        let body = serde_json::to_vec(&json!({
+            "model": "m",
+            "messages": [{"content": content, "role": "user"}, {"role": "user", "content": "hi"}],
+        }))
+        .unwrap();
+        let (mut whole, mut cut) = (Canonical::default(), Canonical::default());
+        cut.set_limit(1000);
+        scan(Endpoint::Chat, &body, &mut whole).unwrap();
+        scan(Endpoint::Chat, &body, &mut cut).unwrap();
+        assert_eq!(cut.len(), whole.len());
+        assert_eq!(cut.len(), text.len() + 2 * "user".len() + 2 + 2 + 2);
+        // The limit, and the header of a message whose content came first.
+        assert!(cut.aux.len() <= 1000 + 8, "{} bytes copied", cut.aux.len());
+        let (mut w, mut k) = (Vec::new(), Vec::new());
+        whole.write_to(&body, &mut w);
+        cut.write_to(&body, &mut k);
+        assert_eq!(&w[..1000], &k[..]);
+    }
 }
 
 #[test]
