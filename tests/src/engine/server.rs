@@ -29,6 +29,12 @@ struct StreamHow {
     keep_alive: bool,
 }
 
+/// A body longer than this is parsed and tokenized on a blocking thread,
+/// off the runtime, which is single-threaded by default: a 30 MiB chat
+/// costs about 150 ms there, and would hold every other request on this
+/// engine that long (vLLM tokenizes off its event loop too).
+const PARSE_OFF_LOOP: usize = 1 << 20;
+
 /// What the engine runs for a request.
 struct Run {
     prompt: PromptBlocks,
@@ -236,26 +242,26 @@ impl Server {
         let json = "application/json";
         let r = match (req.method.as_str(), req.path.as_str()) {
             ("POST", "/v1/chat/completions") => {
-                return self.infer(s, buf, out, ApiKind::Chat, &req.body, ka).await;
+                return self.infer(s, buf, out, ApiKind::Chat, req.body, ka).await;
             }
             ("POST", "/v1/completions") => {
                 return self
-                    .infer(s, buf, out, ApiKind::Completion, &req.body, ka)
+                    .infer(s, buf, out, ApiKind::Completion, req.body, ka)
                     .await;
             }
             ("POST", "/generate") => {
                 return self
-                    .infer(s, buf, out, ApiKind::Generate, &req.body, ka)
+                    .infer(s, buf, out, ApiKind::Generate, req.body, ka)
                     .await;
             }
             ("POST", "/v1/messages") => {
                 return self
-                    .infer(s, buf, out, ApiKind::Messages, &req.body, ka)
+                    .infer(s, buf, out, ApiKind::Messages, req.body, ka)
                     .await;
             }
             ("POST", "/v1/responses") => {
                 return self
-                    .infer(s, buf, out, ApiKind::Responses, &req.body, ka)
+                    .infer(s, buf, out, ApiKind::Responses, req.body, ka)
                     .await;
             }
             (method, path) if path.starts_with("/v1/responses/") => {
@@ -499,11 +505,19 @@ impl Server {
         buf: &mut BytesMut,
         out: &mut Vec<u8>,
         kind: ApiKind,
-        body: &[u8],
+        body: Vec<u8>,
         ka: bool,
     ) -> Result<bool, Dropped> {
         let arrival = Instant::now();
-        let (job, ctx) = match self.parse(kind, body) {
+        let parsed = if body.len() > PARSE_OFF_LOOP {
+            let srv = self.clone();
+            tokio::task::spawn_blocking(move || srv.parse(kind, &body))
+                .await
+                .unwrap_or_else(|_| Err(ApiError::bad_request("the request could not be read")))
+        } else {
+            self.parse(kind, &body)
+        };
+        let (job, ctx) = match parsed {
             Ok(j) => j,
             Err(e) => {
                 if e.status == 404 && e.param == Some("model") {
