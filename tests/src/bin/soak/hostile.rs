@@ -14,7 +14,9 @@
 //!   router runs in precise mode for both phases, with a real tokenizer
 //!   (`testkit::tokenizer_fixture`) and the engines' KV events; the engines
 //!   tokenize their own way, so the huge chat is theirs to reject as longer
-//!   than their context.
+//!   than their context. With `--large-chats-direct` they go straight to
+//!   the first engine: the same load on the engines and the machine
+//!   without the router, what the router's share is measured against.
 //!
 //! It reports, per phase, the normal requests' success rate and latency
 //! percentiles, the router's RSS over time, how fast the router's health
@@ -169,7 +171,7 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
     let pid = router.child.pid();
     println!(
         "hostile: {:.0} s per phase, {} engines, {} normal clients; hostile phase: {} slow readers, \
-         {} slowloris, {} uploaders ({} MiB and a declared {} MiB), {} huge chats ({} MiB, precise mode {}), \
+         {} slowloris, {} uploaders ({} MiB and a declared {} MiB), {} huge chats ({} MiB, precise mode {}{}), \
          a trickling backend; router pid {pid}",
         phase_len.as_secs_f64(),
         args.engines,
@@ -182,6 +184,11 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
         args.large_chats,
         args.large_chat_mib,
         if precise { "on" } else { "off" },
+        if args.large_chats_direct {
+            ", sent straight to an engine"
+        } else {
+            ""
+        },
     );
 
     let watching = AtomicBool::new(true);
@@ -226,10 +233,15 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
                     }
                     if precise {
                         let body = Arc::new(large_chat(args.large_chat_mib));
+                        let to = if args.large_chats_direct {
+                            engines[0].addr
+                        } else {
+                            addr
+                        };
                         for _ in 0..args.large_chats {
                             let body = body.clone();
                             let (stop, stats) = (&stop, &stats);
-                            phase.spawn(move || large_chatter(addr, &body, stop, stats));
+                            phase.spawn(move || large_chatter(to, &body, stop, stats));
                         }
                     }
                 }

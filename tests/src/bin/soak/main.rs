@@ -84,6 +84,11 @@ struct Args {
     /// Size of a huge chat's message in MiB (the default body limit is 32).
     #[arg(long, default_value_t = 30)]
     large_chat_mib: usize,
+    /// The huge chats go straight to the first engine, not through the
+    /// router (which still runs in precise mode): what they cost the
+    /// engine and the machine alone, the reference for the router's share.
+    #[arg(long)]
+    large_chats_direct: bool,
     /// `limits.max_in_flight_per_backend` of the router (0: no limit).
     #[arg(long, default_value_t = 0)]
     max_in_flight: u32,
