@@ -202,6 +202,11 @@ impl Router {
     pub fn rss_kib(&self) -> u64 {
         rss_kib(self.child.pid())
     }
+
+    /// The most resident memory the router has held so far, in KiB.
+    pub fn peak_rss_kib(&self) -> u64 {
+        peak_rss_kib(self.child.pid())
+    }
 }
 
 impl Drop for Router {
@@ -215,11 +220,21 @@ impl Drop for Router {
 
 /// Resident memory of process `pid` in KiB, 0 if it cannot be read.
 pub fn rss_kib(pid: u32) -> u64 {
+    status_kib(pid, "VmRSS:")
+}
+
+/// The most resident memory process `pid` has held so far, in KiB
+/// (`VmHWM`), 0 if it cannot be read.
+pub fn peak_rss_kib(pid: u32) -> u64 {
+    status_kib(pid, "VmHWM:")
+}
+
+fn status_kib(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .find_map(|l| l.strip_prefix(field))
                 .and_then(|v| v.split_whitespace().next()?.parse().ok())
         })
         .unwrap_or(0)

@@ -611,6 +611,42 @@ fn buffered_bodies_have_a_global_budget() {
 
 // ---- 11. what errors reveal ----
 
+/// A chat of one 28 MiB message with a newline every few words (an
+/// escape all through it): the router keeps of the prompt what routing
+/// reads, validates the rest in place and forwards the body whole, so it
+/// holds about the body itself. Before, its scan decoded the whole
+/// message into one buffer and copied it into another: three times the
+/// body at once.
+#[test]
+fn a_huge_chat_costs_the_router_about_its_own_size_in_memory() {
+    let b = ok_backend();
+    let r = Router::spawn(&[b.url()], NO_PROBES, "");
+    assert_eq!(post_chat(r.addr, "a small chat first").status, 200);
+    let text = "lorem ipsum dolor sit amet\n".repeat((28 << 20) / 27);
+    let body = serde_json::to_vec(&chat(&text, 2, false)).expect("json");
+    let before = r.peak_rss_kib();
+    let answer = request(
+        r.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        &body,
+    )
+    .expect("an answer");
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    let sent = b.log().pop().expect("the backend got it").body;
+    assert!(sent == body, "forwarded whole and unchanged");
+    let grew = r.peak_rss_kib().saturating_sub(before);
+    let body_kib = body.len() as u64 / 1024;
+    // About the body (the router of before: 72 MiB for this 29 MiB one).
+    assert!(
+        grew < body_kib * 3 / 2,
+        "the router's peak RSS grew {} MiB for a {} MiB body",
+        grew / 1024,
+        body_kib / 1024
+    );
+}
+
 #[test]
 fn client_errors_name_no_internal_address_and_engine_headers_are_dropped() {
     let dead = format!("http://127.0.0.1:{}", free_port());
