@@ -66,6 +66,16 @@ pub struct Child {
 }
 
 impl Child {
+    /// SIGKILL, then waits (up to 5 s) until it has exited, so a process
+    /// started after it can bind its ports.
+    fn kill_and_wait(&mut self) {
+        signal(self.pid(), libc::SIGKILL);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.spawned.is_running() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// Starts `cmd`, registered for cleanup, dying with the harness.
     pub fn spawn(mut cmd: Command, name: &str) -> anyhow::Result<Child> {
         if interrupted() {
@@ -171,17 +181,28 @@ pub struct Engine {
 impl Engine {
     /// Starts `sim-engine --id ID ARGS` on a free port.
     pub fn start(bins: &Bins, id: &str, args: &[String]) -> anyhow::Result<Engine> {
-        let mut cmd = Command::new(bins.path("sim-engine"));
-        cmd.args(["--listen", "127.0.0.1:0", "--id", id]).args(args);
-        cmd.env("RUST_LOG", "warn");
-        let child = Child::spawn(cmd, &format!("sim-engine {id}"))?;
-        let line = child.wait_line("listening on ")?;
+        let (child, line) = Self::spawn(bins, id, "127.0.0.1:0", args)?;
         let addr = line.trim().parse().context("engine address")?;
         Ok(Engine {
             addr,
             id: id.to_string(),
             child,
         })
+    }
+
+    /// `sim-engine --listen LISTEN --id ID ARGS`, and the address it printed.
+    fn spawn(
+        bins: &Bins,
+        id: &str,
+        listen: &str,
+        args: &[String],
+    ) -> anyhow::Result<(Child, String)> {
+        let mut cmd = Command::new(bins.path("sim-engine"));
+        cmd.args(["--listen", listen, "--id", id]).args(args);
+        cmd.env("RUST_LOG", "warn");
+        let child = Child::spawn(cmd, &format!("sim-engine {id}"))?;
+        let line = child.wait_line("listening on ")?;
+        Ok((child, line))
     }
 
     pub fn url(&self) -> String {
@@ -193,19 +214,10 @@ impl Engine {
     /// Call it from a thread that outlives the new process: a child dies
     /// with the thread that started it (`PR_SET_PDEATHSIG`).
     pub fn restart(&mut self, bins: &Bins, args: &[String], down: Duration) -> anyhow::Result<()> {
-        signal(self.child.pid(), libc::SIGKILL);
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while self.child.spawned.is_running() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        self.child.kill_and_wait();
         std::thread::sleep(down);
-        let mut cmd = Command::new(bins.path("sim-engine"));
-        cmd.args(["--listen", &self.addr.to_string(), "--id", &self.id])
-            .args(args);
-        cmd.env("RUST_LOG", "warn");
         // The old child is reaped as it is replaced.
-        self.child = Child::spawn(cmd, &format!("sim-engine {}", self.id))?;
-        self.child.wait_line("listening on ")?;
+        (self.child, _) = Self::spawn(bins, &self.id, &self.addr.to_string(), args)?;
         Ok(())
     }
 }
@@ -351,12 +363,8 @@ impl Router {
     /// thread that outlives the new process: a child dies with the thread
     /// that started it (`PR_SET_PDEATHSIG`).
     pub fn kill_and_restart(&mut self) -> anyhow::Result<()> {
-        signal(self.child.pid(), libc::SIGKILL);
         // Gone (and reaped) before the new one binds its ports.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while self.child.spawned.is_running() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        self.child.kill_and_wait();
         let mut cmd = Command::new(&self.bin);
         cmd.args(&self.args);
         // The old child is reaped as it is replaced.

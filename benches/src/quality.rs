@@ -520,7 +520,6 @@ fn combined_routing(times: &[RoutingTime]) -> RoutingTime {
     }
 }
 
-/// Runs the workloads of `cfgs` at once against the same routers and
 /// Kills the last engine at each of `at_s` (real seconds after `epoch`)
 /// and starts it again on its address after a second down, its cache
 /// lost, until the traffic is `done`. Runs on the thread that outlives the
@@ -554,6 +553,7 @@ fn restart_engines_at(
     Ok(())
 }
 
+/// Runs the workloads of `cfgs` at once against the same routers and
 /// returns one trace: the later workloads' sessions and prefixes
 /// renumbered apart from the first's, every request numbered in the order
 /// it was sent.
