@@ -226,6 +226,7 @@ mod tests {
             local_prompt_tokens: prompt,
             ceiling_cached_tokens: ceiling,
             instance: None,
+            decision: None,
             replica: None,
         }
     }

@@ -421,6 +421,7 @@ mod tests {
             local_prompt_tokens: prompt,
             ceiling_cached_tokens: cached,
             instance: None,
+            decision: None,
             replica: Some(replica),
         }
     }

@@ -18,7 +18,7 @@ use crate::config::{BackendConfig, Classes, Config, backend_addr};
 use crate::error::RouterError;
 use crate::fleet::MAX_BACKENDS;
 use crate::fleet::backend::{Backend, Fleet};
-use crate::fleet::feedback::{Correction, Usage};
+use crate::fleet::feedback::{Correction, Lesson, Usage};
 use crate::fleet::index::{Matches, PrefixIndex};
 use crate::fleet::models::{self, Member, ModelStats, Models, Served};
 use crate::fleet::owners::BackendSet;
@@ -978,6 +978,15 @@ fn same_hardware_same_rate(loads: &mut [BackendLoad], rates: &mut Vec<f32>) {
 }
 
 impl Router {
+    /// An answer from `backend` taught `lesson`: the peer replicas learn
+    /// it as if they had seen the answer.
+    pub fn taught(&self, backend: &Backend, lesson: Lesson) {
+        if let Some(r) = &self.replica {
+            let (what, a, b) = lesson.encode();
+            r.outbox.learned(backend.id_hash, what, a, b);
+        }
+    }
+
     /// Closes the loop on one answer: `usage` is what the engine said it had
     /// cached of the prompt in `blocks`, `predicted` what the index said
     /// `backend` held when the request was routed, `shared` how much of it
@@ -1019,8 +1028,9 @@ impl Router {
         }
         match backend
             .feedback
-            .observe(usage, predicted, &blocks.ages, pinned)
-        {
+            .observe_teaching(usage, predicted, &blocks.ages, pinned, |l| {
+                self.taught(backend, l)
+            }) {
             _ if !cfg.prefix.learn_from_answers => {}
             Correction::None => {}
             Correction::Flushed => {

@@ -146,6 +146,8 @@ fn backends_json(router: &Router) -> serde_json::Value {
                 "peers_queued_prefill_blocks": load.remote.queued_prefill_blocks(),
                 "open_connections": load.open_conns(),
                 "external_connections": load.external_conns(),
+                // Of those, the peer replicas' on this host (not load).
+                "peers_connections": load.remote.local_peer_conns(),
                 "resets_per_sec": load.resets_per_sec(),
                 "index_blocks": blocks,
                 "index_share": blocks as f64 / total,

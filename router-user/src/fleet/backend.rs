@@ -82,6 +82,10 @@ pub struct Remote {
     cells: [AtomicU64; MAX_PEERS],
     in_flight: AtomicU32,
     queued_prefill_blocks: AtomicU32,
+    /// Per peer on this host: its open connections here, which this host's
+    /// XDP program counts among the live ones (idle keep-alive ones too).
+    conn_cells: [AtomicU32; MAX_PEERS],
+    local_peer_conns: AtomicU32,
     /// Blocks this replica's answers from here wrote that the peers have
     /// not been told yet (the next load message takes them).
     unshared_answer_blocks: AtomicU32,
@@ -109,6 +113,22 @@ impl Remote {
         self.in_flight.fetch_add(in_flight.wrapping_sub(f), Relaxed);
         self.queued_prefill_blocks
             .fetch_add(queued_prefill_blocks.wrapping_sub(q), Relaxed);
+    }
+
+    /// Peer `peer`, on this host, has `conns` connections open here now.
+    pub fn set_conns(&self, peer: usize, conns: u32) {
+        let Some(cell) = self.conn_cells.get(peer) else {
+            return;
+        };
+        let old = cell.swap(conns, Relaxed);
+        self.local_peer_conns
+            .fetch_add(conns.wrapping_sub(old), Relaxed);
+    }
+
+    /// Connections the peers on this host have open here: part of what
+    /// XDP counts, and none of it load beyond their reported work.
+    pub fn local_peer_conns(&self) -> u32 {
+        self.local_peer_conns.load(Relaxed)
     }
 
     /// Peer `peer` just sent one more request here, `prefill` blocks to
@@ -605,11 +625,15 @@ impl Backend {
         let l = &self.load;
         BackendLoad {
             eligible: self.has_room(max_in_flight),
-            // The peer replicas' work counts as this one's own; their
-            // connections are part of what XDP sees beyond this router.
+            // The peer replicas' work counts as this one's own, from their
+            // streams; the connections of those on this host are part of
+            // what XDP sees beyond this router, idle ones included, and are
+            // not counted again (decision 0056).
             in_flight: l.in_flight() + l.remote.in_flight(),
             queued_prefill_blocks: l.queued_prefill_blocks() + l.remote.queued_prefill_blocks(),
-            external_conns: l.external_conns().saturating_sub(l.remote.in_flight()),
+            external_conns: l
+                .external_conns()
+                .saturating_sub(l.remote.local_peer_conns()),
             id_hash: self.id_hash,
             in_flight_blocks: l.in_flight_blocks(),
             capacity_blocks: u32::try_from(self.feedback.capacity()).unwrap_or(u32::MAX),

@@ -321,6 +321,45 @@ pub enum Correction {
     Flushed,
 }
 
+/// One thing an answer taught about its engine, as router replicas share
+/// it: each applies its peers' to its own estimates as if it had seen the
+/// answer (`control::replicas`). Ages are on the backend's clock, which
+/// counts the blocks every replica sent it, so they mean the same to each.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Lesson {
+    /// A block was still cached at this age: the capacity is at least it.
+    Kept { age: u64 },
+    /// A block was evicted at this age: the capacity is below it, loosely.
+    Evicted { age: u64 },
+    /// This many uncached blocks were prefilled in this many seconds, with
+    /// nothing queued ahead.
+    Prefill { blocks: u32, seconds: f64 },
+}
+
+impl Lesson {
+    /// As three numbers: what, then its two values (seconds in nanoseconds).
+    pub fn encode(self) -> (u32, u64, u64) {
+        match self {
+            Lesson::Kept { age } => (1, age, 0),
+            Lesson::Evicted { age } => (2, age, 0),
+            Lesson::Prefill { blocks, seconds } => (3, u64::from(blocks), (seconds * 1e9) as u64),
+        }
+    }
+
+    /// Back from [`Self::encode`]; `None` for what this build does not know.
+    pub fn decode(what: u32, a: u64, b: u64) -> Option<Lesson> {
+        match what {
+            1 => Some(Lesson::Kept { age: a }),
+            2 => Some(Lesson::Evicted { age: a }),
+            3 => Some(Lesson::Prefill {
+                blocks: u32::try_from(a).ok()?,
+                seconds: b as f64 / 1e9,
+            }),
+            _ => None,
+        }
+    }
+}
+
 /// Weight of a kept block in the capacity estimate: a block kept at an
 /// age above the estimate pushes it a quarter of the way up to that age.
 /// An eviction of a block younger than the estimate pulls it down, by
@@ -598,6 +637,18 @@ impl Feedback {
         ages: &[u64],
         pinned_blocks: u32,
     ) -> Correction {
+        self.observe_teaching(usage, predicted, ages, pinned_blocks, |_| {})
+    }
+
+    /// [`Self::observe`], handing `taught` each capacity lesson it drew.
+    pub fn observe_teaching(
+        &self,
+        usage: Usage,
+        predicted: u32,
+        ages: &[u64],
+        pinned_blocks: u32,
+        mut taught: impl FnMut(Lesson),
+    ) -> Correction {
         let prompt_blocks = ages.len() as u32;
         if usage.prompt_tokens == 0 || prompt_blocks == 0 {
             return Correction::None;
@@ -658,6 +709,7 @@ impl Feedback {
             // among them, so an eviction weighs less: `EVICT_STEP`.)
             if let Some(a) = age_at_least(held + TOLERANCE_BLOCKS) {
                 self.learn_capacity(cap, a as f64, EVICT_STEP, |a, c| a < c);
+                taught(Lesson::Evicted { age: a });
             }
         } else if predicted + TOLERANCE_BLOCKS < held {
             self.under_predictions.fetch_add(1, Relaxed);
@@ -667,8 +719,23 @@ impl Feedback {
             && let Some(a) = age_at_most(held.min(predicted).saturating_sub(TOLERANCE_BLOCKS + 1))
         {
             self.learn_capacity(cap, a as f64, CAPACITY_STEP, |a, c| a > c);
+            taught(Lesson::Kept { age: a });
         }
         Correction::None
+    }
+
+    /// Applies a peer replica's lesson about this engine.
+    pub fn learn(&self, lesson: Lesson) {
+        let cap = f64::from_bits(self.capacity.load(Relaxed));
+        match lesson {
+            Lesson::Kept { age } => {
+                self.learn_capacity(cap, age as f64, CAPACITY_STEP, |a, c| a > c)
+            }
+            Lesson::Evicted { age } => {
+                self.learn_capacity(cap, age as f64, EVICT_STEP, |a, c| a < c)
+            }
+            Lesson::Prefill { blocks, seconds } => self.observe_ttft(blocks, seconds),
+        }
     }
 
     fn learn_capacity(
@@ -1071,6 +1138,36 @@ mod tests {
         let f = Feedback::new(1_000);
         f.observe(held_600, 600, &[AGE_UNKNOWN; 800], 0);
         assert_eq!(f.capacity(), 1_000);
+    }
+
+    #[test]
+    fn a_peer_taught_the_lessons_learns_what_the_observer_learned() {
+        let (seen, taught) = (Feedback::new(65_536), Feedback::new(65_536));
+        let mut lessons = Vec::new();
+        // Kept at ages 300-400, evicted from 500: the capacity settles between.
+        for i in 0..40u64 {
+            let (held, age) = if i % 2 == 0 {
+                (usage(1600), 300 + i)
+            } else {
+                (usage(0), 500 + i)
+            };
+            seen.observe_teaching(held, 100, &ages(age), 0, |l| lessons.push(l));
+        }
+        for l in &lessons {
+            taught.learn(*l);
+        }
+        assert!(lessons.iter().any(|l| matches!(l, Lesson::Evicted { .. })));
+        assert!(lessons.iter().any(|l| matches!(l, Lesson::Kept { .. })));
+        assert_ne!(seen.capacity(), 65_536);
+        assert_eq!(taught.capacity(), seen.capacity());
+        // Prefill rates too, once there are enough samples.
+        for _ in 0..RATE_MIN_SAMPLES {
+            taught.learn(Lesson::Prefill {
+                blocks: 200,
+                seconds: 0.1,
+            });
+        }
+        assert_eq!(taught.prefill_rate(), 2_000.0);
     }
 
     #[test]

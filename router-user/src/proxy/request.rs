@@ -11,7 +11,7 @@ use tracing::warn;
 use crate::config::{Config, ms};
 use crate::error::{Kind, Resend, RouterError};
 use crate::fleet::backend::Backend;
-use crate::fleet::feedback::Reported;
+use crate::fleet::feedback::{Lesson, Reported};
 use crate::fleet::models::ModelStats;
 
 use crate::config::classes::{Caller, Placed};
@@ -438,9 +438,15 @@ async fn attempt(
             && !continues
             && let Some(t) = answer.first_body_at
         {
-            backend
-                .feedback
-                .observe_ttft(uncached, (t - sent_at).as_secs_f64());
+            let seconds = (t - sent_at).as_secs_f64();
+            backend.feedback.observe_ttft(uncached, seconds);
+            router.taught(
+                backend,
+                Lesson::Prefill {
+                    blocks: uncached,
+                    seconds,
+                },
+            );
         }
     }
     if answer.status >= 500 {

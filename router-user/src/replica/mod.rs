@@ -136,6 +136,14 @@ impl Outbox {
         self.push(p);
     }
 
+    /// An answer from `backend` taught this (`fleet::feedback::Lesson`,
+    /// encoded).
+    pub fn learned(&self, backend: u64, what: u32, a: u64, b: u64) {
+        let mut p = Payload::new(Kind::Learned, 28);
+        p.u64(backend).u32(what).u64(a).u64(b);
+        self.push(p);
+    }
+
     /// Queues `p` for the publisher and wakes it; drops it (counted) when
     /// the outbox is full. Never waits.
     pub fn push(&self, p: Payload) {

@@ -18,6 +18,13 @@
 //! - `Load`: count, then (backend, requests in flight, queued prefill
 //!   blocks, answer blocks written since the last load message) for each
 //!   backend this replica has work on; also the heartbeat;
+//! - `Conns`: count, then (backend, connections open to it) for each
+//!   backend this replica holds connections to: what this host's XDP
+//!   counters see of it, if it shares a host (sent when it changes, and
+//!   every second); a reader that predates it drops it as malformed;
+//! - `Learned`: backend, what an answer taught of it (1: a block kept at
+//!   an age, 2: evicted at an age, 3: blocks prefilled in nanoseconds), its
+//!   two values: the peers learn from it as from their own answers;
 //! - `Stored`: backend, a response id (length, bytes): the backend stored
 //!   that response (`fleet::stored`);
 //! - `SnapshotRequest`: empty; `SnapshotBlocks`: backend, its capacity, then
@@ -59,6 +66,8 @@ pub enum Kind {
     Prefilled = 7,
     Done = 8,
     Stored = 9,
+    Conns = 10,
+    Learned = 11,
 }
 
 impl Kind {
@@ -73,6 +82,8 @@ impl Kind {
             7 => Kind::Prefilled,
             8 => Kind::Done,
             9 => Kind::Stored,
+            10 => Kind::Conns,
+            11 => Kind::Learned,
             _ => return None,
         })
     }
@@ -231,6 +242,14 @@ pub enum Body<'a> {
     },
     /// (backend, in flight, queued prefill blocks, answer blocks) entries.
     Load(&'a [u8]),
+    /// Its entries, read with [`conns_entries`].
+    Conns(&'a [u8]),
+    Learned {
+        backend: u64,
+        what: u32,
+        a: u64,
+        b: u64,
+    },
     SnapshotRequest,
     SnapshotBlocks {
         backend: u64,
@@ -272,6 +291,20 @@ pub fn load_entries(b: &[u8]) -> impl Iterator<Item = LoadEntry> + '_ {
             queued_prefill_blocks: w(12..16) as u32,
             answer_blocks: w(16..20) as u32,
         }
+    })
+}
+
+/// Bytes of one `Conns` entry: backend, connections.
+pub const CONNS_ENTRY_BYTES: usize = 12;
+
+/// The (backend, open connections) entries of a `Conns` body.
+pub fn conns_entries(b: &[u8]) -> impl Iterator<Item = (u64, u32)> + '_ {
+    b.chunks_exact(CONNS_ENTRY_BYTES).map(|c| {
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&c[..8]);
+        let mut n = [0u8; 4];
+        n.copy_from_slice(&c[8..]);
+        (u64::from_le_bytes(id), u32::from_le_bytes(n))
     })
 }
 
@@ -317,6 +350,22 @@ pub fn open<'a>(frame: &'a [u8], key: &Key) -> Result<Message<'a>, WireError> {
                 )?,
             )
         }
+        Kind::Conns => {
+            let count = r.u32()? as usize;
+            Body::Conns(
+                r.take(
+                    count
+                        .checked_mul(CONNS_ENTRY_BYTES)
+                        .ok_or(WireError::Malformed)?,
+                )?,
+            )
+        }
+        Kind::Learned => Body::Learned {
+            backend: r.u64()?,
+            what: r.u32()?,
+            a: r.u64()?,
+            b: r.u64()?,
+        },
         Kind::SnapshotRequest => Body::SnapshotRequest,
         Kind::SnapshotBlocks => {
             let backend = r.u64()?;
@@ -486,11 +535,45 @@ mod tests {
         assert_eq!(e, [(11, 3, 400, 7), (12, 0, 0, 0)]);
     }
 
+    #[test]
+    fn conns_entries_read_back_and_a_short_body_is_refused() {
+        let mut p = Payload::new(Kind::Conns, 32);
+        p.u32(2);
+        p.u64(11).u32(4);
+        p.u64(12).u32(0);
+        let f = seal(p, 1, 1, &key());
+        let Body::Conns(b) = open(&f, &key()).unwrap().body else {
+            panic!("not conns")
+        };
+        assert_eq!(conns_entries(b).collect::<Vec<_>>(), [(11, 4), (12, 0)]);
+        let mut p = Payload::new(Kind::Conns, 32);
+        p.u32(2);
+        p.u64(11).u32(4);
+        let f = seal(p, 1, 2, &key());
+        assert_eq!(open(&f, &key()).unwrap_err(), WireError::Malformed);
+    }
+
+    #[test]
+    fn a_lesson_reads_back() {
+        let mut p = Payload::new(Kind::Learned, 28);
+        p.u64(11).u32(3).u64(200).u64(25_000_000);
+        let f = seal(p, 1, 1, &key());
+        assert!(matches!(
+            open(&f, &key()).unwrap().body,
+            Body::Learned {
+                backend: 11,
+                what: 3,
+                a: 200,
+                b: 25_000_000
+            }
+        ));
+    }
+
     proptest::proptest! {
         /// A signed frame whose body lies about its counts is refused, never
         /// read past its end.
         #[test]
-        fn signed_garbage_is_malformed_not_a_crash(kind in 0u8..8, body in proptest::collection::vec(0u8..=255, 0..200)) {
+        fn signed_garbage_is_malformed_not_a_crash(kind in 0u8..13, body in proptest::collection::vec(0u8..=255, 0..200)) {
             let mut p = Payload::new(Kind::Sent, body.len());
             p.0[HEADER_BYTES - 1] = kind;
             p.0.extend_from_slice(&body);

@@ -58,6 +58,9 @@ pub struct Outcome {
     pub id: Option<String>,
     /// The `x-engine-id` response header (else `x-prefix-router-backend`).
     pub instance: Option<String>,
+    /// prefix-router's `x-prefix-router-decision` and `-matched-blocks`
+    /// (with `debug_headers`), as `Warm 12`.
+    pub decision: Option<String>,
     pub error: Option<String>,
 }
 
@@ -199,12 +202,13 @@ impl Client {
             before_response: false,
         };
         // Head.
-        let (status, instance, framing, keep_alive, event_stream) = loop {
+        let (status, instance, decision, framing, keep_alive, event_stream) = loop {
             let mut hs = [httparse::EMPTY_HEADER; 64];
             let mut r = httparse::Response::new(&mut hs);
             match r.parse(&buf) {
                 Ok(httparse::Status::Complete(n)) => {
                     let mut instance = None;
+                    let (mut decision, mut matched) = (None, None);
                     let mut framing = Framing::Close;
                     let mut keep_alive = r.version == Some(1);
                     let mut event_stream = false;
@@ -216,6 +220,8 @@ impl Client {
                             // Engines without an id header (llama-server):
                             // the router's debug header names the backend.
                             "x-prefix-router-backend" if instance.is_none() => instance = Some(v),
+                            "x-prefix-router-decision" => decision = Some(v),
+                            "x-prefix-router-matched-blocks" => matched = Some(v),
                             "content-length" => {
                                 framing = Framing::Length(
                                     v.parse().map_err(|_| fail("bad content-length".into()))?,
@@ -234,7 +240,18 @@ impl Client {
                     if status == 100 {
                         continue;
                     }
-                    break (status, instance, framing, keep_alive, event_stream);
+                    let decision = decision.map(|d| match matched {
+                        Some(m) => format!("{d} {m}"),
+                        None => d,
+                    });
+                    break (
+                        status,
+                        instance,
+                        decision,
+                        framing,
+                        keep_alive,
+                        event_stream,
+                    );
                 }
                 Ok(httparse::Status::Partial) => {}
                 Err(e) => return Err(fail(format!("bad response head: {e}"))),
@@ -322,6 +339,7 @@ impl Client {
                 usage,
                 id,
                 instance,
+                decision,
                 error,
             },
             keep_alive,
@@ -370,6 +388,7 @@ fn failed(msg: String, _start: Instant) -> Outcome {
         usage: None,
         id: None,
         instance: None,
+        decision: None,
         error: Some(msg),
     }
 }

@@ -40,6 +40,9 @@ pub struct Record {
     /// The `x-engine-id` response header, when the server passes it on
     /// (prefix-router does only with `--debug-headers`).
     pub instance: Option<String>,
+    /// How prefix-router chose, with `debug_headers` (see `Outcome`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decision: Option<String>,
     /// Which of the run's targets (router replicas) it was sent to, when
     /// there were several.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -250,6 +253,7 @@ mod tests {
             local_prompt_tokens: 100,
             ceiling_cached_tokens: 50,
             instance: instance.map(String::from),
+            decision: None,
             replica: None,
         }
     }

@@ -247,6 +247,7 @@ impl Ctx {
                 local_prompt_tokens: prompt.num_tokens as u64,
                 ceiling_cached_tokens: ceiling_cached,
                 instance: o.instance.clone(),
+                decision: o.decision.clone(),
                 replica: (self.clients.len() > 1).then_some(replica as u32),
             };
             let ok = rec.ok();

@@ -132,6 +132,25 @@ fn what_one_replica_sends_the_other_routes_on() {
             holder(&b, &body) == (chosen_a.clone(), matched_a)
         });
     }
+    // A's connections to the engines (kept alive, idle now) reach B as a
+    // peer's on this host: B's XDP counters see them, and they are not load.
+    let open = |r: &Router, field: &str| -> u64 {
+        let (status, text) = get(r.admin, "/admin/backends");
+        assert_eq!(status, 200, "{text}");
+        let v: serde_json::Value = serde_json::from_str(&text).expect("json");
+        v["backends"]
+            .as_array()
+            .expect("backends")
+            .iter()
+            .map(|b| b[field].as_u64().expect(field))
+            .sum()
+    };
+    assert!(open(&a, "open_connections") > 0);
+    wait_until(
+        "B counts A's connections as a peer's",
+        Duration::from_secs(5),
+        || open(&b, "peers_connections") == open(&a, "open_connections"),
+    );
     let rb = replicas(&b);
     let peer = &rb["peers"][format!("127.0.0.1:{pa}")];
     assert_eq!(peer["gaps"], 0, "{rb}");
@@ -369,4 +388,55 @@ fn replicas_refuse_to_start_without_a_key_or_with_a_short_one() {
         assert!(!out.status.success(), "it must refuse: {err}");
         assert!(err.contains("key"), "{err}");
     }
+}
+
+#[test]
+fn a_replica_learns_an_engines_capacity_from_its_peers_answers() {
+    // One engine with room for 512 blocks that does not tell the routers;
+    // each starts from its default of 65,536.
+    let cap = 512.0;
+    let engines = SimEngine::fleet(1, &["--time-scale", "0", "--kv-blocks", "512"]);
+    let urls: Vec<String> = engines.iter().map(SimEngine::url).collect();
+    let (pa, pb) = (port_pair(), port_pair());
+    let config = |me| {
+        format!(
+            "[prefix]\nread_kv_capacity = false\n{}",
+            replicas_toml(me, &[pa, pb], KEY)
+        )
+    };
+    let a = Router::spawn(&urls, &[], &config(pa));
+    let b = Router::spawn(&urls, &[], &config(pb));
+    wait_until(
+        "the replicas follow each other",
+        Duration::from_secs(10),
+        || replicas(&b)["peers"][format!("127.0.0.1:{pa}")]["phase"] == "live",
+    );
+    assert_eq!(b.backend(&urls[0])["learned_capacity_blocks"], 65_536);
+    // 24 documents of 32 blocks in a shuffled cycle, all through A: the
+    // engine keeps about 15 of them, so some repeats hit and some were
+    // evicted, and A's answers say which.
+    let doc = |id: u64| format!("document {id:04} line; ").repeat(110)[..32 * 64].to_owned();
+    let mut x = 7u64;
+    for _ in 0..300 {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let body = json!({"prompt": doc((x >> 33) % 24), "max_tokens": 4});
+        let r = post_json(a.addr, "/v1/completions", &body).expect("completion");
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    // B saw none of the answers; it learned from A's lessons.
+    let learned = |r: &Router| {
+        r.backend(&urls[0])["learned_capacity_blocks"]
+            .as_f64()
+            .unwrap()
+    };
+    wait_until("B learns what A learned", Duration::from_secs(5), || {
+        (learned(&b) - learned(&a)).abs() <= 0.05 * learned(&a)
+    });
+    assert!(
+        (learned(&b) - cap).abs() <= 0.25 * cap,
+        "B learned {} blocks, the engine has {cap}",
+        learned(&b)
+    );
 }

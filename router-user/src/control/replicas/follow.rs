@@ -10,6 +10,9 @@
 //! - A peer silent past `replicas.stale_ms` is stalled: its work in flight
 //!   no longer counts, until it speaks again.
 //! - A stream under this replica's own id is this replica: not followed.
+//! - A peer on this host (its stream's address is one of this host's) has
+//!   its open connections counted apart from what XDP sees here: they are
+//!   its, and its work comes from its stream.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,6 +24,7 @@ use tracing::{debug, info, warn};
 use zeromq::{Socket, SocketRecv};
 
 use crate::fleet::backend::{Backend, Fleet};
+use crate::fleet::feedback::Lesson;
 use crate::replica::status::PeerPhase;
 use crate::replica::wire::{self, Body, Key, WireError, load_entries};
 use crate::shared::Router;
@@ -59,6 +63,8 @@ impl Follower {
             by_id: HashMap::new(),
             fleet: None,
             loaded: Vec::new(),
+            local: None,
+            connected: Vec::new(),
             hashes: Vec::new(),
             keys: Vec::new(),
             ages: Vec::new(),
@@ -113,6 +119,10 @@ struct Stream {
     fleet: Option<Arc<Fleet>>,
     /// Backends this peer's load was last counted on.
     loaded: Vec<Arc<Backend>>,
+    /// Whether the peer shares this host, once its address was resolved.
+    local: Option<bool>,
+    /// Backends this peer's connections were last counted on.
+    connected: Vec<Arc<Backend>>,
     hashes: Vec<u64>,
     keys: Vec<u64>,
     ages: Vec<u64>,
@@ -317,6 +327,45 @@ impl Stream {
                 self.loaded = now;
                 return unknown;
             }
+            Body::Conns(entries) => {
+                let Some(peer) = self.peer else {
+                    return false;
+                };
+                if !*self.local.get_or_insert_with(|| on_this_host(&self.addr)) {
+                    return false;
+                }
+                let mut now = Vec::new();
+                let mut unknown = false;
+                for (backend, n) in wire::conns_entries(entries) {
+                    let Some(b) = self.by_id.get(&backend) else {
+                        unknown = true;
+                        continue;
+                    };
+                    b.load.remote.set_conns(peer, n);
+                    now.push(b.clone());
+                }
+                for b in &self.connected {
+                    if !now.iter().any(|n| Arc::ptr_eq(n, b)) {
+                        b.load.remote.set_conns(peer, 0);
+                    }
+                }
+                self.connected = now;
+                return unknown;
+            }
+            Body::Learned {
+                backend,
+                what,
+                a,
+                b,
+            } => {
+                let Some(be) = self.by_id.get(&backend) else {
+                    return true;
+                };
+                // A lesson of a later build is skipped, not a fault.
+                if let Some(l) = Lesson::decode(what, a, b) {
+                    be.feedback.learn(l);
+                }
+            }
             Body::Stored { backend, id } => {
                 if !self.by_id.contains_key(&backend) {
                     return true;
@@ -351,9 +400,38 @@ impl Stream {
             for b in self.loaded.drain(..) {
                 b.load.remote.set(peer, 0, 0);
             }
+            for b in self.connected.drain(..) {
+                b.load.remote.set_conns(peer, 0);
+            }
             for b in self.router.fleet.load().backends.iter() {
                 b.load.unpin_peer(peer);
             }
         }
+    }
+}
+
+/// Whether `addr` (`host:port`) is an address of this host: loopback, or
+/// one a socket can bind here. A name that does not resolve is not.
+fn on_this_host(addr: &str) -> bool {
+    use std::net::{ToSocketAddrs, UdpSocket};
+    let Ok(addrs) = addr.to_socket_addrs() else {
+        return false;
+    };
+    addrs
+        .map(|a| a.ip())
+        .any(|ip| ip.is_loopback() || UdpSocket::bind((ip, 0)).is_ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::on_this_host;
+
+    #[test]
+    fn loopback_and_this_hosts_addresses_are_this_host_others_are_not() {
+        assert!(on_this_host("127.0.0.1:7000"));
+        assert!(on_this_host("[::1]:7000") || std::net::UdpSocket::bind("[::1]:0").is_err());
+        assert!(on_this_host("localhost:7000"));
+        // TEST-NET-3 (RFC 5737): never an address of this host.
+        assert!(!on_this_host("203.0.113.9:7000"));
     }
 }

@@ -14,12 +14,17 @@ use tracing::{debug, warn};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::replica::Replica;
-use crate::replica::wire::{self, Body, Key, Kind, LOAD_ENTRY_BYTES, Payload, seal};
+use crate::replica::wire::{
+    self, Body, CONNS_ENTRY_BYTES, Key, Kind, LOAD_ENTRY_BYTES, Payload, seal,
+};
 use crate::shared::Router;
 
 /// A load message goes at least this often, unchanged or not: the
 /// heartbeat peers judge a stall by (`replicas.stale_ms`).
 const HEARTBEAT: Duration = Duration::from_millis(100);
+/// The connections message goes at least this often, unchanged or not, so
+/// a peer that joins learns them.
+const CONNS_REFRESH: Duration = Duration::from_secs(1);
 
 /// The snapshot socket of a replica whose stream is on `addr`.
 pub fn snapshot_addr(addr: SocketAddr) -> SocketAddr {
@@ -68,6 +73,7 @@ pub fn spawn(
                 socket,
                 seq: 0,
                 last_load: Vec::new(),
+                last_conns: Vec::new(),
             }
             .run(&rt)
         })
@@ -83,25 +89,40 @@ struct Publisher {
     seq: u64,
     /// The load last published, as its entries' bytes.
     last_load: Vec<u8>,
+    /// The connections last published, likewise.
+    last_conns: Vec<u8>,
 }
 
 impl Publisher {
     fn run(mut self, rt: &tokio::runtime::Runtime) {
         let mut next_load = Instant::now();
         let mut last_sent_load = Instant::now() - HEARTBEAT;
+        let mut last_sent_conns = Instant::now() - CONNS_REFRESH;
+        // Decisions sent since the last load message: a peer counts each
+        // one at once, and the next load message corrects what it counted
+        // twice (a request counted in this load but sent after it).
+        let mut decided = false;
         loop {
             while let Some(p) = self.replica.outbox.pop() {
                 self.send(rt, p);
+                decided = true;
             }
             let now = Instant::now();
             if now >= next_load {
                 let interval = self.router.config.load().replicas.load_interval_ms;
                 next_load = now + Duration::from_millis(interval.max(1));
                 let p = self.load();
-                if self.last_load != p.1 || now >= last_sent_load + HEARTBEAT {
+                if decided || self.last_load != p.1 || now >= last_sent_load + HEARTBEAT {
                     self.last_load = p.1;
                     self.send(rt, p.0);
                     last_sent_load = now;
+                    decided = false;
+                }
+                let c = self.conns();
+                if self.last_conns != c.1 || now >= last_sent_conns + CONNS_REFRESH {
+                    self.last_conns = c.1;
+                    self.send(rt, c.0);
+                    last_sent_conns = now;
                 }
             }
             std::thread::park_timeout(next_load.saturating_duration_since(Instant::now()));
@@ -150,6 +171,26 @@ impl Publisher {
             entries.extend_from_slice(&f.to_le_bytes());
             entries.extend_from_slice(&q.to_le_bytes());
             entries.extend_from_slice(&a.to_le_bytes());
+        }
+        (p, entries)
+    }
+
+    /// This replica's open connections per backend, and their bytes.
+    fn conns(&self) -> (Payload, Vec<u8>) {
+        let fleet = self.router.fleet.load();
+        let open: Vec<_> = fleet
+            .backends
+            .iter()
+            .map(|b| (b.id_hash, b.load.open_conns()))
+            .filter(|&(_, n)| n > 0)
+            .collect();
+        let mut p = Payload::new(Kind::Conns, 4 + CONNS_ENTRY_BYTES * open.len());
+        p.u32(open.len() as u32);
+        let mut entries = Vec::with_capacity(CONNS_ENTRY_BYTES * open.len());
+        for (id, n) in open {
+            p.u64(id).u32(n);
+            entries.extend_from_slice(&id.to_le_bytes());
+            entries.extend_from_slice(&n.to_le_bytes());
         }
         (p, entries)
     }
