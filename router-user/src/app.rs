@@ -58,6 +58,14 @@ pub fn run(
     let membership = Arc::new(Membership::default());
     discovery::spawn(router.clone(), membership.clone()).context("starting discovery")?;
     replicas::spawn(router.clone()).context("replicas")?;
+    {
+        let (r, c, m) = (router.clone(), reread.clone(), membership.clone());
+        reload::spawn_watch(
+            router.clone(),
+            Arc::new(move || reload::apply(&r, &m, c()?)),
+        )
+        .context("watching the configuration's files")?;
+    }
     if let Some(addr) = cfg.admin.listen {
         let (r, c, m) = (router.clone(), reread.clone(), membership.clone());
         admin::start(
@@ -68,6 +76,8 @@ pub fn run(
     }
     info!(
         listen = %cfg.listen,
+        tls = cfg.loaded.server_tls.is_some(),
+        api_keys = cfg.loaded.keys.as_ref().map_or(0, |k| k.names().len()),
         workers = cfg.worker_count(),
         policy = cfg.policy.name(),
         backends = cfg.backends.len(),

@@ -11,9 +11,11 @@ use serde::Deserialize;
 pub mod classes;
 pub mod discovery;
 pub mod ebpf;
+pub mod keys;
 pub mod models;
 pub mod precise;
 pub mod replicas;
+pub mod tls;
 
 use crate::fleet::MAX_BACKENDS;
 use crate::fleet::slots::EngineKind;
@@ -62,6 +64,53 @@ pub struct Config {
     /// `x-engine-id`), and put the internal detail (backend URL, OS error)
     /// in error answers. Off, clients learn nothing of the backends.
     pub debug_headers: bool,
+    /// How often the files the configuration names (certificates, keys,
+    /// the keys file) are checked for a change, which reloads as SIGHUP
+    /// does (0: only SIGHUP and `POST /admin/reload`). One `stat` each.
+    pub watch_files_ms: u64,
+    /// TLS on the traffic listener (`[tls]`, off by default).
+    pub tls: tls::TlsConfig,
+    /// TLS to `https://` backends (`[backend_tls]`).
+    pub backend_tls: tls::BackendTlsConfig,
+    /// API keys on the traffic port (`[auth]`, off by default).
+    pub auth: keys::AuthConfig,
+    /// What the files above hold, read by [`Config::load_files`].
+    #[serde(skip)]
+    pub loaded: Loaded,
+}
+
+/// What the configuration's files hold, read and checked: swapped with
+/// the configuration on reload, so a request sees one consistent set.
+#[derive(Clone, Default)]
+pub struct Loaded {
+    /// The listener's TLS (`[tls]`), when on.
+    pub server_tls: Option<std::sync::Arc<rustls::ServerConfig>>,
+    /// For `https://` backends, when any is configured.
+    pub client_tls: Option<std::sync::Arc<rustls::ClientConfig>>,
+    /// The accepted API keys, when `auth.keys_file` is set.
+    pub keys: Option<std::sync::Arc<keys::Keys>>,
+    /// Each backend's `authorization` line, by URL, for those with an
+    /// `api_key_file`.
+    pub backend_keys: std::sync::Arc<hashbrown::HashMap<String, Vec<u8>>>,
+}
+
+impl Loaded {
+    /// Whether the callers' credentials are taken out of forwarded heads
+    /// (and put back, or replaced, per backend).
+    pub fn rewrites_authorization(&self, auth: &keys::AuthConfig) -> bool {
+        !auth.forward_authorization || !self.backend_keys.is_empty()
+    }
+}
+
+impl std::fmt::Debug for Loaded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loaded")
+            .field("server_tls", &self.server_tls.is_some())
+            .field("client_tls", &self.client_tls.is_some())
+            .field("keys", &self.keys)
+            .field("backend_keys", &self.backend_keys.len())
+            .finish()
+    }
 }
 
 impl Default for Config {
@@ -87,6 +136,11 @@ impl Default for Config {
             replicas: replicas::ReplicasConfig::default(),
             classes: Classes::default(),
             debug_headers: false,
+            watch_files_ms: 1_000,
+            tls: Default::default(),
+            backend_tls: Default::default(),
+            auth: Default::default(),
+            loaded: Loaded::default(),
         }
     }
 }
@@ -116,6 +170,10 @@ pub enum BackendConfig {
         /// not read.
         #[serde(default)]
         models: Option<Vec<String>>,
+        /// A file holding the key this backend wants: sent as
+        /// `Authorization: Bearer KEY` in place of the caller's.
+        #[serde(default)]
+        api_key_file: Option<String>,
     },
 }
 
@@ -150,6 +208,14 @@ impl BackendConfig {
         match self {
             BackendConfig::Url(_) => None,
             BackendConfig::Table { models, .. } => models.as_deref(),
+        }
+    }
+
+    /// The file of the key the router sends it, if the table names one.
+    pub fn api_key_file(&self) -> Option<&str> {
+        match self {
+            BackendConfig::Url(_) => None,
+            BackendConfig::Table { api_key_file, .. } => api_key_file.as_deref(),
         }
     }
 
@@ -549,13 +615,30 @@ impl Default for Health {
 pub struct Admin {
     /// Where `/metrics` and `/admin/*` are served; keep it off the traffic network.
     pub listen: Option<SocketAddr>,
+    /// The SHA-256 (64 hex digits) of the admin token: with it set, every
+    /// admin path but `/health` and `/ready` wants `Authorization: Bearer
+    /// TOKEN` (401 otherwise). Needed when `listen` is not a loopback
+    /// address, unless `allow_unauthenticated`.
+    pub token_sha256: String,
+    /// Serve the admin listener on a non-loopback address without a token
+    /// (anyone who reaches it may reload, drain and read the fleet).
+    pub allow_unauthenticated: bool,
 }
 
 impl Default for Admin {
     fn default() -> Self {
         Admin {
             listen: Some("127.0.0.1:9090".parse().expect("literal address")),
+            token_sha256: String::new(),
+            allow_unauthenticated: false,
         }
+    }
+}
+
+impl Admin {
+    /// The token's digest, when one is set (checked by `validate`).
+    pub fn token_digest(&self) -> Option<[u8; 32]> {
+        classes::hex32(&self.token_sha256)
     }
 }
 
@@ -638,8 +721,75 @@ impl Config {
         if self.retry.max_attempts == 0 {
             bail!("retry.max_attempts must be at least 1");
         }
+        if !self.admin.token_sha256.is_empty() && self.admin.token_digest().is_none() {
+            bail!(
+                "admin.token_sha256 is not 64 hex digits (the SHA-256 of the token: printf %s TOKEN | sha256sum)"
+            );
+        }
+        if let Some(a) = self.admin.listen
+            && !a.ip().is_loopback()
+            && self.admin.token_sha256.is_empty()
+            && !self.admin.allow_unauthenticated
+        {
+            bail!(
+                "admin.listen {a} is not a loopback address and admin.token_sha256 is not set: anyone reaching it could reload, drain and read the fleet; set a token, or admin.allow_unauthenticated = true"
+            );
+        }
+        if !self.tls.enabled() && (!self.tls.key.is_empty() || !self.tls.client_ca.is_empty()) {
+            bail!("tls.key and tls.client_ca need tls.cert");
+        }
         let urls: Vec<&str> = self.backends.iter().map(BackendConfig::url).collect();
         models::validate(&self.models, &self.pools, &urls)
+    }
+
+    /// Reads the files the configuration names (`[tls]`, `[backend_tls]`,
+    /// `[auth]`) into `loaded`, and the keys file's tenants into
+    /// `classes`. Any file that cannot be used is an error: at start the
+    /// router does not start, on reload the running configuration stays.
+    pub fn load_files(&mut self) -> anyhow::Result<()> {
+        let mut loaded = Loaded::default();
+        if self.tls.enabled() {
+            loaded.server_tls = Some(tls::server_config(&self.tls)?);
+        }
+        let https = self
+            .backends
+            .iter()
+            .any(|b| b.url().starts_with("https://"))
+            || self.discovery.any()
+            || !self.backend_tls.ca.is_empty();
+        if https {
+            loaded.client_tls = Some(tls::client_config(&self.backend_tls)?);
+        }
+        if !self.auth.keys_file.is_empty() {
+            let (keys, entries) = keys::load(&self.auth.keys_file)?;
+            self.classes = self.classes.with_keys(&entries)?;
+            loaded.keys = Some(std::sync::Arc::new(keys));
+        }
+        let mut backend_keys = hashbrown::HashMap::new();
+        for b in &self.backends {
+            if let Some(path) = b.api_key_file() {
+                backend_keys.insert(b.url().to_owned(), keys::backend_key_line(b.url(), path)?);
+            }
+        }
+        loaded.backend_keys = std::sync::Arc::new(backend_keys);
+        self.loaded = loaded;
+        Ok(())
+    }
+
+    /// The files whose change reloads the configuration.
+    pub fn watched_files(&self) -> Vec<String> {
+        let mut files: Vec<String> = tls::files(&self.tls, &self.backend_tls)
+            .map(str::to_owned)
+            .collect();
+        if !self.auth.keys_file.is_empty() {
+            files.push(self.auth.keys_file.clone());
+        }
+        files.extend(
+            self.backends
+                .iter()
+                .filter_map(|b| b.api_key_file().map(str::to_owned)),
+        );
+        files
     }
 
     /// The routing core's view of `[models]`, `[[pools]]` and the backends'
@@ -661,7 +811,7 @@ impl Config {
     }
 }
 
-/// Resolves `http://host:port[/]` to a socket address.
+/// Resolves `http://host:port[/]` or `https://...` to a socket address.
 pub fn backend_addr(url: &str) -> anyhow::Result<SocketAddr> {
     let u = HttpUrl::parse(url).with_context(|| format!("backend {url:?}"))?;
     if !u.path.is_empty() {
@@ -724,7 +874,8 @@ mod tests {
     fn backend_urls() {
         assert_eq!(backend_addr("http://127.0.0.1:8001").unwrap().port(), 8001);
         assert_eq!(backend_addr("http://127.0.0.1/").unwrap().port(), 80);
-        assert!(backend_addr("https://127.0.0.1:1").is_err());
+        assert_eq!(backend_addr("https://127.0.0.1").unwrap().port(), 443);
+        assert!(backend_addr("ftp://127.0.0.1:1").is_err());
         assert!(backend_addr("http://127.0.0.1:1/v1").is_err());
     }
 }

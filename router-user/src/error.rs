@@ -21,6 +21,8 @@ pub enum Kind {
     BadRequest,
     /// The body is not valid JSON, or lacks the prompt the endpoint needs (400).
     InvalidBody,
+    /// No valid API key, with `auth.keys_file` set (401).
+    Unauthorized,
     /// The path is not on the traffic port's allowlist (404).
     NotFound,
     /// No backend serves the request's `model` (404, OpenAI's `model_not_found`).
@@ -53,6 +55,7 @@ impl Kind {
     pub fn status(self) -> u16 {
         match self {
             Kind::BadRequest | Kind::InvalidBody | Kind::ModelRequired => 400,
+            Kind::Unauthorized => 401,
             Kind::NotFound | Kind::ModelNotFound => 404,
             Kind::MethodNotAllowed => 405,
             Kind::ClientTimeout => 408,
@@ -71,6 +74,7 @@ impl Kind {
         match self {
             Kind::BadRequest
             | Kind::InvalidBody
+            | Kind::Unauthorized
             | Kind::NotFound
             | Kind::ModelNotFound
             | Kind::ModelRequired
@@ -90,6 +94,7 @@ impl Kind {
     fn anthropic_type(self) -> &'static str {
         match self {
             Kind::NotFound | Kind::ModelNotFound => "not_found_error",
+            Kind::Unauthorized => "authentication_error",
             Kind::BodyTooLarge => "request_too_large",
             Kind::Unavailable => "overloaded_error",
             Kind::Shed => "rate_limit_error",
@@ -115,6 +120,7 @@ impl Kind {
         match self {
             Kind::ModelNotFound => (Some("model"), "model_not_found".into()),
             Kind::ModelRequired => (Some("model"), "model_required".into()),
+            Kind::Unauthorized => (None, "invalid_api_key".into()),
             k => (None, k.status().into()),
         }
     }
@@ -288,6 +294,7 @@ pub fn reason(status: u16) -> &'static str {
         100 => "Continue",
         200 => "OK",
         400 => "Bad Request",
+        401 => "Unauthorized",
         404 => "Not Found",
         405 => "Method Not Allowed",
         408 => "Request Timeout",

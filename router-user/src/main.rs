@@ -81,6 +81,7 @@ impl Cli {
             cfg.health.interval_ms = i;
         }
         cfg.validate()?;
+        cfg.load_files()?;
         Ok(cfg)
     }
 }

@@ -97,6 +97,71 @@ impl ClassLabels {
     }
 }
 
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct HandshakeLabels {
+    result: String,
+}
+
+/// A key of the keys file (its name), and which count.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct KeyLabels {
+    key: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct KeyTokenLabels {
+    key: String,
+    kind: String,
+}
+
+/// Per-key requests and tokens, read at each scrape from the counters the
+/// keys carry (`config::keys::Keys`): nothing is locked on the data path.
+#[derive(Debug)]
+struct KeysCollector(Arc<ArcSwap<Config>>);
+
+impl Collector for KeysCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let cfg = self.0.load();
+        let Some(keys) = &cfg.loaded.keys else {
+            return Ok(());
+        };
+        let counts = |i: usize| keys.counts(i as u32).expect("one per name");
+        let mut family = encoder.encode_descriptor(
+            "api_key_requests",
+            "Requests let in with each API key of auth.keys_file, by key name.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (i, name) in keys.names().iter().enumerate() {
+            let v = counts(i)
+                .requests
+                .load(std::sync::atomic::Ordering::Relaxed);
+            ConstCounter::new(v).encode(family.encode_family(&KeyLabels { key: name.clone() })?)?;
+        }
+        let mut family = encoder.encode_descriptor(
+            "api_key_tokens",
+            "Tokens the answers to each API key's requests reported (usage), by key name and kind (prompt, completion).",
+            None,
+            MetricType::Counter,
+        )?;
+        for (i, name) in keys.names().iter().enumerate() {
+            let c = counts(i);
+            for (kind, v) in [
+                ("prompt", &c.prompt_tokens),
+                ("completion", &c.completion_tokens),
+            ] {
+                let l = KeyTokenLabels {
+                    key: name.clone(),
+                    kind: kind.into(),
+                };
+                ConstCounter::new(v.load(std::sync::atomic::Ordering::Relaxed))
+                    .encode(family.encode_family(&l)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Buckets, in seconds, of the time a request waits in its class's queue
 /// (a `flex` request may wait `classes.flex_wait_ms`, 30 s by default).
 const CLASS_WAIT_BUCKETS: [f64; 12] = [
@@ -225,6 +290,11 @@ pub struct Metrics {
     /// Admin connections refused because `MAX_CONNECTIONS` were open.
     admin_refused: Counter,
     buffered_body_bytes: Gauge,
+    /// Requests answered 401: no valid API key (`auth.keys_file`).
+    unauthorized: Counter,
+    /// TLS handshakes on the traffic listener that succeeded, and failed.
+    tls_ok: Counter,
+    tls_failed: Counter,
     /// Each discovery source's state (`control::discovery` writes it).
     pub discovery: Arc<DiscoveryStatus>,
 }
@@ -371,6 +441,27 @@ impl Metrics {
             "Request body bytes buffered now, against limits.max_buffered_body_bytes",
             buffered_body_bytes.clone(),
         );
+        let unauthorized = Counter::default();
+        registry.register(
+            "unauthorized",
+            "Requests answered 401 on their head: no valid API key (auth.keys_file)",
+            unauthorized.clone(),
+        );
+        let handshakes: Family<HandshakeLabels, Counter> = Family::default();
+        registry.register(
+            "tls_handshakes",
+            "TLS handshakes on the traffic listener, by result (failed: garbage, a truncated or refused hello, a client certificate tls.client_ca refuses, a timeout)",
+            handshakes.clone(),
+        );
+        let handshake = |result: &'static str| {
+            handshakes
+                .get_or_create(&HandshakeLabels {
+                    result: result.into(),
+                })
+                .clone()
+        };
+        let (tls_ok, tls_failed) = (handshake("ok"), handshake("failed"));
+        registry.register_collector(Box::new(KeysCollector(sources.config.clone())));
         if let Some(precise) = sources.precise.clone() {
             registry.register_collector(Box::new(PreciseCollector {
                 precise,
@@ -402,6 +493,23 @@ impl Metrics {
             unanswered,
             admin_refused,
             buffered_body_bytes,
+            unauthorized,
+            tls_ok,
+            tls_failed,
+        }
+    }
+
+    /// A request was answered 401 (no valid API key).
+    pub fn unauthorized(&self) {
+        self.unauthorized.inc();
+    }
+
+    /// A TLS handshake on the traffic listener ended.
+    pub fn tls_handshake(&self, ok: bool) {
+        if ok {
+            self.tls_ok.inc();
+        } else {
+            self.tls_failed.inc();
         }
     }
 

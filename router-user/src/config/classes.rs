@@ -211,13 +211,67 @@ impl TryFrom<ClassesFile> for Classes {
     }
 }
 
+impl Classes {
+    /// These classes with the keys file's tenants: each key with a tenant
+    /// is one of that tenant's keys; a tenant `[classes]` does not name is
+    /// added (its class the key's, weight 1). A key may not name a class
+    /// other than its tenant's.
+    pub fn with_keys(&self, keys: &[super::keys::KeyEntry]) -> anyhow::Result<Classes> {
+        let mut tenants = self.tenants.clone();
+        for k in keys {
+            let Some(name) = &k.tenant else { continue };
+            let class = match &k.class {
+                Some(c) => Some(Class::of_tier(c.as_bytes()).ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "auth.keys_file: key {:?}: unknown class {c:?} (priority, default or flex)",
+                        k.name
+                    )
+                })?),
+                None => None,
+            };
+            let t = match tenants.iter_mut().find(|t| &t.name == name) {
+                Some(t) => {
+                    if class.is_some_and(|c| c != t.class) {
+                        bail!(
+                            "auth.keys_file: key {:?} gives tenant {name:?} the class {:?}, [classes] gives it {:?}",
+                            k.name,
+                            k.class.as_deref().unwrap_or_default(),
+                            t.class.name()
+                        );
+                    }
+                    t
+                }
+                None => {
+                    tenants.push(Tenant {
+                        name: name.clone(),
+                        class: class.unwrap_or_default(),
+                        keys_sha256: Vec::new(),
+                        users: Vec::new(),
+                        weight: 1,
+                        max_waiting: None,
+                    });
+                    tenants.last_mut().expect("just pushed")
+                }
+            };
+            t.keys_sha256.push(k.sha256.clone());
+        }
+        Classes::try_from(ClassesFile {
+            flex_max_in_flight_per_backend: self.flex_max_in_flight_per_backend,
+            flex_wait_ms: self.flex_wait_ms,
+            header: self.header.clone(),
+            max_waiting: self.max_waiting,
+            tenants,
+        })
+    }
+}
+
 /// An HTTP token character (RFC 9110 section 5.6.2).
 fn is_token_byte(b: u8) -> bool {
     b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
 /// 64 hex digits as 32 bytes.
-fn hex32(s: &str) -> Option<[u8; 32]> {
+pub(crate) fn hex32(s: &str) -> Option<[u8; 32]> {
     let s = s.trim().as_bytes();
     if s.len() != 64 {
         return None;

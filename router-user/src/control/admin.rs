@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
 use serde_json::json;
+use sha2::{Digest, Sha256};
 use tracing::info;
 
 use crate::config::classes::Caller;
@@ -64,8 +65,37 @@ impl Reply {
     }
 }
 
+/// Whether the request may be served: with `admin.token_sha256` set,
+/// every path but `/health` and `/ready` wants `Authorization: Bearer
+/// TOKEN` (compared as SHA-256 digests; the token is never logged).
+fn authorized(router: &Router, req: &Request) -> bool {
+    let Some(want) = router.config.load().admin.token_digest() else {
+        return true;
+    };
+    if matches!(req.path, "/health" | "/ready") {
+        return true;
+    }
+    bearer(req.head).is_some_and(|t| <[u8; 32]>::from(Sha256::digest(t)) == want)
+}
+
+/// The `Authorization: Bearer` token only (`x-api-key` is a traffic key).
+fn bearer(head: &[u8]) -> Option<&[u8]> {
+    let v = header_value(head, "authorization")?;
+    let (scheme, token) = v.split_at(v.iter().position(|&b| b == b' ')?);
+    scheme
+        .eq_ignore_ascii_case(b"bearer")
+        .then(|| token.trim_ascii())
+        .filter(|t| !t.is_empty())
+}
+
 /// Answers one request.
 fn handle(router: &Router, req: &Request, reload: &Reloader) -> Reply {
+    if !authorized(router, req) {
+        return Reply::text(
+            401,
+            "the admin listener wants its token: Authorization: Bearer TOKEN (admin.token_sha256)\n",
+        );
+    }
     let param = |name: &str| query::param(req.query, name);
     match (req.method, req.path) {
         ("GET", "/health") => Reply::text(200, "ok\n"),

@@ -99,7 +99,11 @@ fn run_prober(router: &Router, b: &Arc<Backend>) {
 fn probe(router: &Router, b: &Backend) -> Result<(), String> {
     let cfg = router.config.load();
     let h = &cfg.health;
-    match probe::get(b.addr, &h.path, ms(h.timeout_ms)) {
+    match probe::get(
+        &probe::Target::of(&router.config.load(), b),
+        &h.path,
+        ms(h.timeout_ms),
+    ) {
         Ok(a) if (200..300).contains(&a.status) => Ok(()),
         Ok(a) => Err(format!("status {}", a.status)),
         Err(e) => Err(e.to_string()),
@@ -154,7 +158,11 @@ fn read_capacity(router: &Router, b: &Backend) {
     {
         return;
     }
-    let Ok(answer) = probe::get(b.addr, "/metrics", ms(cfg.health.timeout_ms)) else {
+    let Ok(answer) = probe::get(
+        &probe::Target::of(&cfg, b),
+        "/metrics",
+        ms(cfg.health.timeout_ms),
+    ) else {
         return;
     };
     if answer.status != 200 {

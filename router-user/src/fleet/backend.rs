@@ -21,6 +21,9 @@ pub struct Backend {
     pub slot: usize,
     pub url: String,
     pub addr: SocketAddr,
+    /// `https://` backends: the URL's host, the name its certificate must
+    /// carry (sent as SNI). `None`: plain HTTP.
+    pub tls_name: Option<String>,
     /// Hash of the URL: rendezvous hashing agrees across router instances.
     pub id_hash: u64,
     /// Unique over the process's life: a backend added again after removal,
@@ -39,6 +42,17 @@ pub struct Backend {
     /// connections are not pooled. Set by engine detection, or learned when
     /// a connection pooled after a stream is found closed at once.
     pub closes_after_stream: AtomicBool,
+}
+
+/// The host of an `https://` URL (without port or IPv6 brackets).
+fn tls_name(url: &str) -> Option<String> {
+    let rest = url.strip_prefix("https://")?;
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let host = match authority.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(v6),
+        None => authority.rsplit_once(':').map_or(authority, |(h, _)| h),
+    };
+    Some(host.to_owned())
 }
 
 /// The next `Backend::generation`.
@@ -569,6 +583,7 @@ impl Backend {
             slot,
             url: url.to_owned(),
             addr,
+            tls_name: tls_name(url),
             id_hash: xxh3_64(url.as_bytes()),
             generation: GENERATIONS.fetch_add(1, Relaxed),
             load: Load::default(),

@@ -80,6 +80,31 @@ pub fn api_key(head: &[u8]) -> Option<&[u8]> {
         .filter(|k| !k.is_empty())
 }
 
+/// Moves the header lines named `names` (case-insensitive) out of a
+/// forwarded head (`parse`'s `forward`, request line first, no final
+/// CRLF) into `out`, each line whole with its CRLF.
+pub fn take_headers(fwd: &mut Vec<u8>, names: &[&str], out: &mut Vec<u8>) {
+    out.clear();
+    let Some(first) = memchr::memmem::find(fwd, b"\r\n") else {
+        return;
+    };
+    let mut at = first + 2;
+    while at < fwd.len() {
+        let end = memchr::memmem::find(&fwd[at..], b"\r\n").map_or(fwd.len(), |e| at + e + 2);
+        let line = &fwd[at..end];
+        let name = line.split(|&b| b == b':').next().unwrap_or(b"");
+        if names
+            .iter()
+            .any(|n| name.eq_ignore_ascii_case(n.as_bytes()))
+        {
+            out.extend_from_slice(line);
+            fwd.drain(at..end);
+        } else {
+            at = end;
+        }
+    }
+}
+
 /// Methods forwarded, case-sensitive (RFC 9110 section 9.1); any other is 501.
 const METHODS: [&str; 7] = ["GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH"];
 
@@ -361,6 +386,19 @@ mod tests {
             api_key(b"GET / HTTP/1.1\r\nAuthorization: Bearer \r\n\r\n"),
             None
         );
+    }
+
+    #[test]
+    fn credentials_are_taken_out_of_a_forwarded_head() {
+        let mut fwd = Vec::new();
+        let raw = "POST /v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer sk-1\r\nX-Other: 1\r\nx-api-key: k\r\nContent-Length: 2\r\n\r\n{}";
+        parse(raw.as_bytes(), 8192, &mut fwd).unwrap().unwrap();
+        let mut taken = Vec::new();
+        take_headers(&mut fwd, &["authorization", "x-api-key"], &mut taken);
+        assert_eq!(taken, b"Authorization: Bearer sk-1\r\nx-api-key: k\r\n");
+        let left = String::from_utf8(fwd).unwrap();
+        assert!(left.starts_with("POST /v1/chat/completions HTTP/1.1\r\n"));
+        assert!(left.contains("X-Other: 1\r\n") && !left.contains("sk-1") && !left.contains(": k"));
     }
 
     #[test]

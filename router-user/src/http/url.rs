@@ -12,6 +12,8 @@ pub struct HttpUrl {
     pub port: u16,
     /// The path without a trailing slash; empty for `http://h:p` and `http://h:p/`.
     pub path: String,
+    /// `https://` (the port defaults to 443).
+    pub tls: bool,
 }
 
 /// Why a URL was refused.
@@ -29,9 +31,14 @@ impl std::error::Error for BadUrl {}
 impl HttpUrl {
     pub fn parse(url: &str) -> Result<HttpUrl, BadUrl> {
         let bad = |why: &str| BadUrl(format!("URL {url:?} {why}"));
-        let rest = url
-            .strip_prefix("http://")
-            .ok_or_else(|| bad("must start with http:// (TLS is not supported)"))?;
+        let (rest, tls) = match url.strip_prefix("https://") {
+            Some(rest) => (rest, true),
+            None => (
+                url.strip_prefix("http://")
+                    .ok_or_else(|| bad("must start with http:// or https://"))?,
+                false,
+            ),
+        };
         let (authority, path) = rest.find('/').map_or((rest, ""), |i| rest.split_at(i));
         if authority.is_empty() {
             return Err(bad("has no host"));
@@ -58,6 +65,7 @@ impl HttpUrl {
         };
         let port = match port {
             Some(p) => p.parse().map_err(|_| bad("has a bad port"))?,
+            None if tls => 443,
             None => 80,
         };
         if host.is_empty() {
@@ -67,6 +75,7 @@ impl HttpUrl {
             host: host.to_owned(),
             port,
             path: path.trim_end_matches('/').to_owned(),
+            tls,
         })
     }
 
@@ -96,8 +105,11 @@ mod tests {
         let v6 = HttpUrl::parse("http://[::1]:9000/x").unwrap();
         assert_eq!((v6.host.as_str(), v6.port), ("::1", 9000));
         assert_eq!(v6.host_port(), "[::1]:9000");
+        let s = HttpUrl::parse("https://engine").unwrap();
+        assert_eq!((s.port, s.tls), (443, true));
+        assert!(!HttpUrl::parse("http://e:1").unwrap().tls);
         for bad in [
-            "https://e:1",
+            "ftp://e:1",
             "http://",
             "http://:80",
             "http://e:port",

@@ -6,14 +6,13 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use monoio::net::TcpStream;
-
 use crate::config::{Config, ms};
 use crate::error::{Kind, RouterError};
 use crate::http::chunked::ChunkedDecoder;
 use crate::http::request::{self, BodyFraming, RequestHead};
 use crate::proxy::budget;
 use crate::proxy::io::{Read, read_more, write_all};
+use crate::proxy::stream::Stream;
 use crate::shared::PromptBlocks;
 
 /// Buffers that grew past this for one large request are given back after it,
@@ -62,7 +61,7 @@ pub struct Request<'a> {
 
 /// A client connection's buffers, reused across its requests.
 pub struct ClientConn {
-    pub stream: TcpStream,
+    pub stream: Stream,
     pub peer: SocketAddr,
     /// Bytes received and not yet consumed (pipelined requests wait here).
     pub buf: Vec<u8>,
@@ -85,10 +84,20 @@ pub struct ClientConn {
     /// A refused request's body bytes not read yet, when its length is
     /// known: what `linger` discards before it may close without a reset.
     pub unread_body: Option<u64>,
+    /// The accepted API key (its number in the keys file) the current
+    /// request presented, when `auth.keys_file` is set.
+    pub key: Option<u32>,
+    /// The caller's credential header lines, taken out of `fwd` when the
+    /// configuration rewrites them (`Loaded::rewrites_authorization`).
+    pub caller_auth: Vec<u8>,
+    /// Where in `fwd` the credentials an attempt sends go (the end of the
+    /// headers), and how many bytes of them are there now.
+    pub auth_at: usize,
+    pub auth_len: usize,
 }
 
 impl ClientConn {
-    pub fn new(stream: TcpStream, peer: SocketAddr) -> ClientConn {
+    pub fn new(stream: Stream, peer: SocketAddr) -> ClientConn {
         ClientConn {
             stream,
             peer,
@@ -102,6 +111,10 @@ impl ClientConn {
             lost_buffers: false,
             charge: budget::Charge::default(),
             unread_body: None,
+            key: None,
+            caller_auth: Vec::new(),
+            auth_at: 0,
+            auth_len: 0,
         }
     }
 
@@ -124,6 +137,33 @@ pub async fn read_request(
     let Some(head) = read_head(cfg, c).await? else {
         return Ok(None);
     };
+    if let Some(keys) = &cfg.loaded.keys {
+        c.key = authenticate(keys, &c.buf[..head.len]);
+        if c.key.is_none() {
+            // Refused on its head: nothing of the body is read (the rest
+            // of it is discarded by `linger`, so the client reads the 401).
+            c.unread_body = match head.body {
+                BodyFraming::Length(n) => Some(n.saturating_sub((c.buf.len() - head.len) as u64)),
+                BodyFraming::None => Some(0),
+                BodyFraming::Chunked => None,
+            };
+            return Err(RouterError::new(
+                Kind::Unauthorized,
+                "no valid API key: send it as Authorization: Bearer KEY (or x-api-key)",
+            ));
+        }
+    }
+    if cfg.loaded.rewrites_authorization(&cfg.auth) {
+        // Out of the forwarded head; each attempt puts back what its
+        // backend gets (`forward::set_authorization`).
+        request::take_headers(
+            &mut c.fwd,
+            &["authorization", "x-api-key"],
+            &mut c.caller_auth,
+        );
+    }
+    c.auth_at = c.fwd.len();
+    c.auth_len = 0;
     let body = match head.body {
         BodyFraming::None => {
             c.consumed = head.len;
@@ -296,6 +336,17 @@ fn budget_spent(cfg: &Config) -> RouterError {
             cfg.limits.max_buffered_body_bytes >> 20
         ),
     )
+}
+
+/// The number of the accepted key a request's head presents, if any. The
+/// key itself is never logged or kept.
+fn authenticate(keys: &crate::config::keys::Keys, head: &[u8]) -> Option<u32> {
+    let key = request::api_key(head).and_then(|k| keys.find(k))?;
+    if let Some(c) = keys.counts(key) {
+        c.requests
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    Some(key)
 }
 
 /// Reads and discards what the client still sends after a refused body,

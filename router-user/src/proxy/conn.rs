@@ -7,7 +7,7 @@ use std::rc::Rc;
 use std::time::Instant;
 
 use monoio::net::TcpStream;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::config::{Config, ms};
 use crate::error::{Kind, RouterError, Shape, Side};
@@ -15,10 +15,33 @@ use crate::proxy::budget;
 use crate::proxy::client::{ClientConn, Request, linger, read_request, shrink};
 use crate::proxy::io::write_all;
 use crate::proxy::request;
+use crate::proxy::stream::Stream;
 use crate::proxy::worker::{RETURN_ABOVE, Worker};
 
 /// Serves a client connection until it closes, errs or idles out.
-pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: SocketAddr) {
+/// On a `[tls]` listener the handshake comes first, within
+/// `timeouts.client_header_ms`; a client that fails it (garbage, a
+/// truncated hello, a certificate `tls.client_ca` refuses) is closed and
+/// counted, and no other connection notices.
+pub async fn serve(worker: Rc<Worker>, tcp: TcpStream, peer: SocketAddr) {
+    let tls = worker.router.config.load().loaded.server_tls.clone();
+    let stream = match tls {
+        None => Stream::plain(tcp),
+        Some(tls) => {
+            let timeout = ms(worker.router.config.load().timeouts.client_header_ms);
+            match Stream::accept(tcp, tls, timeout).await {
+                Ok(s) => {
+                    worker.router.metrics.tls_handshake(true);
+                    s
+                }
+                Err(e) => {
+                    worker.router.metrics.tls_handshake(false);
+                    debug!(%peer, error = %e, "TLS handshake failed");
+                    return;
+                }
+            }
+        }
+    };
     let mut c = ClientConn::new(stream, peer);
     loop {
         let cfg = worker.router.config.load_full();
@@ -35,6 +58,9 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: SocketAddr) {
             }
             Ok(_) => break,
             Err(e) => {
+                if e.kind == Kind::Unauthorized {
+                    worker.router.metrics.unauthorized();
+                }
                 if e.kind != Kind::Internal || !e.message.is_empty() {
                     log_error(&e, &c.peer, "-");
                     // After a framing error the rest of the stream cannot be trusted.
@@ -42,7 +68,10 @@ pub async fn serve(worker: Rc<Worker>, stream: TcpStream, peer: SocketAddr) {
                     let mut resp = e.to_response(true, retry_after, cfg.debug_headers);
                     let write = ms(cfg.timeouts.client_write_ms);
                     if write_all(&mut c.stream, &mut resp, write).await.is_ok()
-                        && matches!(e.kind, Kind::BodyTooLarge | Kind::Unavailable)
+                        && matches!(
+                            e.kind,
+                            Kind::BodyTooLarge | Kind::Unavailable | Kind::Unauthorized
+                        )
                     {
                         linger(&cfg, &mut c).await;
                     }

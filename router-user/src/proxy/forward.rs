@@ -23,6 +23,7 @@ use crate::policy::select::Decision;
 use crate::proxy::client::{Body, ClientConn, Request};
 use crate::proxy::io::{Read, read_more, write_all, write_head_and_body, write_range};
 use crate::proxy::pool::{BackendConn, Pool};
+use crate::proxy::stream::Stream;
 use crate::replica::Replica;
 
 /// Bodies up to this size are copied behind the head and sent in one
@@ -148,6 +149,30 @@ pub struct Answered {
     pub response_id: Option<String>,
 }
 
+/// Puts the credentials this attempt's backend gets where the caller's
+/// were: its `api_key_file`'s key, else the caller's own when
+/// `auth.forward_authorization`, else none. Nothing to do unless the
+/// configuration rewrites credentials.
+fn set_authorization(cfg: &Config, c: &mut ClientConn, backend: &str) {
+    if !cfg.loaded.rewrites_authorization(&cfg.auth) {
+        return;
+    }
+    let ClientConn {
+        fwd,
+        caller_auth,
+        auth_at,
+        auth_len,
+        ..
+    } = c;
+    let line: &[u8] = match cfg.loaded.backend_keys.get(backend) {
+        Some(l) => l,
+        None if cfg.auth.forward_authorization => caller_auth,
+        None => b"",
+    };
+    fwd.splice(*auth_at..*auth_at + *auth_len, line.iter().copied());
+    *auth_len = line.len();
+}
+
 /// Completes `c.fwd` (the forwarded head) with the body's length and, when
 /// small, the body itself.
 pub fn finish_request_head(c: &mut ClientConn, head: &RequestHead, body: Body) {
@@ -193,6 +218,7 @@ pub async fn forward(
     let mut bc = get_conn(pool, cfg, backend, at.fresh_only)
         .await
         .map_err(|e| Failure::Retry(e, Resend::ConnectFailed))?;
+    set_authorization(cfg, c, &backend.url);
     let rhead = match exchange(cfg, c, head, body, &mut bc).await {
         Ok(h) => h,
         Err(Exchange::NotSent(why)) if bc.reused => {
@@ -493,7 +519,18 @@ async fn get_conn(
     if !fresh_only && let Some(conn) = pool.take(backend, ms(cfg.timeouts.backend_pool_idle_ms)) {
         return Ok(conn);
     }
-    let connect = TcpStream::connect_addr(backend.addr);
+    let connect = async {
+        let tcp = TcpStream::connect_addr(backend.addr).await?;
+        let _ = tcp.set_nodelay(true);
+        match (&backend.tls_name, &cfg.loaded.client_tls) {
+            (None, _) => Ok(Stream::plain(tcp)),
+            (Some(name), Some(tls)) => Stream::connect(tcp, tls.clone(), name).await,
+            (Some(_), None) => Err(std::io::Error::other(
+                "an https:// backend and no [backend_tls] configuration loaded",
+            )),
+        }
+    };
+    // The TLS handshake, when there is one, within the connect deadline.
     let stream = match monoio::time::timeout(ms(cfg.timeouts.backend_connect_ms), connect).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
@@ -513,7 +550,6 @@ async fn get_conn(
             .with_detail(format!("backend {}", backend.url)));
         }
     };
-    let _ = stream.set_nodelay(true);
     Ok(BackendConn::new(stream, backend))
 }
 

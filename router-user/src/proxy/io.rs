@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use monoio::buf::{IoBuf, IoBufMut};
 use monoio::io::{AsyncReadRent, AsyncWriteRent};
-use monoio::net::TcpStream;
 
 /// Room added before a read when less than `MIN_SPARE` is left.
 pub const READ_CHUNK: usize = 16 * 1024;
@@ -23,7 +22,11 @@ pub enum Read {
 
 /// Appends what the socket has to `buf` (growing it by `READ_CHUNK` when
 /// less than `MIN_SPARE` is free).
-pub async fn read_more(stream: &mut TcpStream, buf: &mut Vec<u8>, timeout: Duration) -> Read {
+pub async fn read_more<S: AsyncReadRent>(
+    stream: &mut S,
+    buf: &mut Vec<u8>,
+    timeout: Duration,
+) -> Read {
     if buf.capacity() - buf.len() < MIN_SPARE {
         // Exact: bodies grow by the caller's policy (and budget), never by
         // the allocator's doubling behind its back.
@@ -52,8 +55,8 @@ pub async fn read_more(stream: &mut TcpStream, buf: &mut Vec<u8>, timeout: Durat
 /// buffer is taken and given back, except after a timeout: then it went
 /// with the cancelled write and `buf` is left empty, so the caller must
 /// close the connection.
-pub async fn write_range(
-    stream: &mut TcpStream,
+pub async fn write_range<S: AsyncWriteRent>(
+    stream: &mut S,
     buf: &mut Vec<u8>,
     start: usize,
     end: usize,
@@ -87,8 +90,8 @@ pub async fn write_range(
 }
 
 /// Writes all of `buf` (see [`write_range`]).
-pub async fn write_all(
-    stream: &mut TcpStream,
+pub async fn write_all<S: AsyncWriteRent>(
+    stream: &mut S,
     buf: &mut Vec<u8>,
     timeout: Duration,
 ) -> io::Result<()> {
@@ -156,8 +159,8 @@ unsafe impl monoio::buf::IoVecBuf for HeadAndBody {
 /// socket takes it all: no copy of a long body behind the head, and one
 /// operation, not two. Times out and loses the buffers as [`write_range`]
 /// does; otherwise both are given back.
-pub async fn write_head_and_body(
-    stream: &mut TcpStream,
+pub async fn write_head_and_body<S: AsyncWriteRent>(
+    stream: &mut S,
     head: &mut Vec<u8>,
     body: &mut Vec<u8>,
     start: usize,
@@ -194,6 +197,7 @@ pub async fn write_head_and_body(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use monoio::net::TcpStream;
     use std::io::Read as _;
     use std::time::Instant;
 

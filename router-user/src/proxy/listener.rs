@@ -186,20 +186,27 @@ async fn accept_loop(worker: Rc<Worker>, listener: TcpListener) {
         };
         let router = &worker.router;
         let _ = stream.set_nodelay(true);
-        let (max, write_timeout) = {
+        let (max, write_timeout, tls) = {
             let cfg = router.config.load();
             (
                 cfg.limits.max_client_connections,
                 crate::config::ms(cfg.timeouts.client_write_ms),
+                cfg.loaded.server_tls.is_some(),
             )
         };
         if router.shutting_down() || router.client_conns.load(Relaxed) >= max {
             let overloaded = !router.shutting_down();
+            if overloaded {
+                warn!(%peer, max, "refusing a connection: limits.max_client_connections reached");
+            }
+            if tls {
+                // A plain answer means nothing to a TLS client, and a
+                // handshake is what the limit is there to spare: closed.
+                drop(stream);
+                continue;
+            }
             monoio::spawn(async move {
                 let mut stream = stream;
-                if overloaded {
-                    warn!(%peer, max, "refusing a connection: limits.max_client_connections reached");
-                }
                 let e = RouterError::new(
                     Kind::Unavailable,
                     "the router is at its connection limit or shutting down; retry shortly",

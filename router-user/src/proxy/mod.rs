@@ -10,4 +10,5 @@ pub mod io;
 pub mod listener;
 pub mod pool;
 pub mod request;
+pub mod stream;
 pub mod worker;

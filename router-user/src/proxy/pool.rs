@@ -9,16 +9,16 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use monoio::net::TcpStream;
 use tracing::info;
 
 use crate::fleet::MAX_BACKENDS;
 use crate::fleet::backend::{Backend, ConnCount};
+use crate::proxy::stream::Stream;
 
 /// A connection to a backend; counted in the backend's open connections
 /// while it lives.
 pub struct BackendConn {
-    pub stream: TcpStream,
+    pub stream: Stream,
     count: ConnCount,
     /// The connection came from the pool (it may have been closed by the peer).
     pub reused: bool,
@@ -26,16 +26,18 @@ pub struct BackendConn {
     pub after_stream: bool,
     /// How long it sat in the pool before this request.
     pub idle: Duration,
-    /// Request bytes written on it before the current request, all of
-    /// which the backend acknowledged (it answered them).
+    /// Bytes written on it before the current request, all of which the
+    /// backend acknowledged (it answered them); on a TLS connection,
+    /// starting with the handshake's (what `TCP_INFO` said after it).
     written: u64,
     /// Bytes of the request being sent on it.
     current: u64,
 }
 
 impl BackendConn {
-    pub fn new(stream: TcpStream, backend: &Arc<Backend>) -> BackendConn {
-        BackendConn {
+    pub fn new(stream: Stream, backend: &Arc<Backend>) -> BackendConn {
+        // TLS: the handshake's bytes are acknowledged already.
+        let mut conn = BackendConn {
             stream,
             count: backend.conn_opened(),
             reused: false,
@@ -43,7 +45,11 @@ impl BackendConn {
             idle: Duration::ZERO,
             written: 0,
             current: 0,
+        };
+        if conn.stream.is_tls() {
+            conn.written = conn.acked_so_far();
         }
+        conn
     }
 
     fn backend(&self) -> &Backend {
@@ -57,7 +63,18 @@ impl BackendConn {
 
     /// The current request was answered whole.
     pub fn answered(&mut self) {
-        self.written += std::mem::take(&mut self.current);
+        let current = std::mem::take(&mut self.current);
+        self.written = match self.stream.is_tls() {
+            // Records are longer than their bytes: ask the socket (one
+            // `getsockopt` per answer on TLS backend connections).
+            true => self.acked_so_far(),
+            false => self.written + current,
+        };
+    }
+
+    /// What `TCP_INFO` says was acknowledged, less our SYN.
+    fn acked_so_far(&self) -> u64 {
+        bytes_acked(self.stream.as_raw_fd()).map_or(u64::MAX / 2, |a| a.saturating_sub(1))
     }
 
     /// Whether the backend's TCP acknowledged none of the current request's
@@ -116,17 +133,22 @@ fn found_closed(conn: &BackendConn, backend: &Backend) {
 /// less is sent on unchecked: a close the backend made before reading the
 /// request is told by its acknowledgements afterwards
 /// ([`BackendConn::request_unacknowledged`]), and re-sent.
-fn still_open(stream: &TcpStream) -> bool {
+///
+/// On a TLS connection the bytes waiting may be records the backend sent
+/// unasked (TLS 1.3 session tickets after the handshake): only a close or
+/// an error tells it is gone.
+fn still_open(stream: &Stream) -> bool {
     use nix::sys::socket::{MsgFlags, recv};
     let mut byte = [0u8; 1];
-    matches!(
-        recv(
-            stream.as_raw_fd(),
-            &mut byte,
-            MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT
-        ),
-        Err(nix::errno::Errno::EAGAIN)
-    )
+    match recv(
+        stream.as_raw_fd(),
+        &mut byte,
+        MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT,
+    ) {
+        Err(nix::errno::Errno::EAGAIN) => true,
+        Ok(n) if n > 0 => stream.is_tls(),
+        _ => false,
+    }
 }
 
 /// A connection pooled after a streamed answer and found closed sooner

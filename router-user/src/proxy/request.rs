@@ -412,6 +412,16 @@ async fn attempt(
         if let Some(id) = &answer.response_id {
             router.stored_response(id, backend);
         }
+        if let Reported::Valid(u) = answer.usage
+            && let Some(keys) = &cfg.loaded.keys
+            && let Some(k) = c.key.and_then(|k| keys.counts(k))
+        {
+            use std::sync::atomic::Ordering::Relaxed;
+            k.prompt_tokens
+                .fetch_add(u64::from(u.prompt_tokens), Relaxed);
+            k.completion_tokens
+                .fetch_add(u64::from(u.completion_tokens), Relaxed);
+        }
         match answer.usage {
             Reported::Valid(u) if continues => model.usage(u.prompt_tokens, u.cached_tokens),
             Reported::Valid(u) => {
@@ -699,7 +709,7 @@ fn has_room(cap: u32, routed: &Routed) -> bool {
 /// waits: one non-blocking `recv(MSG_PEEK)`. Bytes waiting (a pipelined
 /// request) or none yet: still there. A client that shuts its sending side
 /// and still waits for the answer looks gone; HTTP/1.1 clients do not.
-fn client_gone(stream: &monoio::net::TcpStream) -> bool {
+fn client_gone(stream: &crate::proxy::stream::Stream) -> bool {
     use nix::errno::Errno;
     use nix::sys::socket::{MsgFlags, recv};
     use std::os::fd::AsRawFd;

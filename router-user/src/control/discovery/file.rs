@@ -246,7 +246,7 @@ mod tests {
     #[test]
     fn lines_comments_and_malformed_lines() {
         let text = "# fleet\n\nhttp://127.0.0.1:8002\nhttp://127.0.0.1:8001/  # a comment\n\
-                    nonsense\nhttps://127.0.0.1:8003\nhttp://127.0.0.1:8001\n";
+                    nonsense\nftp://127.0.0.1:8003\nhttp://127.0.0.1:8001\n";
         let (urls, bad) = parse(text);
         assert_eq!(
             urls,
@@ -254,7 +254,7 @@ mod tests {
             "the file's order, each once"
         );
         assert_eq!(bad.iter().map(|b| b.0).collect::<Vec<_>>(), [5, 6]);
-        assert!(bad[1].1.contains("https"), "{bad:?}");
+        assert!(bad[1].1.contains("ftp"), "{bad:?}");
     }
 
     fn temp_dir(name: &str) -> std::path::PathBuf {

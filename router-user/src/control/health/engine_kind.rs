@@ -76,7 +76,7 @@ pub fn detect(router: &Router, b: &Backend, timeout: Duration) -> bool {
         }
         return true;
     }
-    let answer = match probe::get(b.addr, "/props", timeout) {
+    let answer = match probe::get(&probe::Target::of(&cfg, b), "/props", timeout) {
         Ok(a) if a.status < 500 => a,
         Ok(a) => {
             debug!(backend = %b.url, status = a.status, "GET /props tells no engine kind yet; asked again at the next probe");

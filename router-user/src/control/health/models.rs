@@ -49,7 +49,11 @@ pub fn refresh(router: &Router, b: &Backend, timeout: Duration) {
     let served = if pinned || !cfg.models.discover {
         Served::Unknown
     } else {
-        match probe::get(b.addr, MODELS_PATH, timeout) {
+        match probe::get(
+            &probe::Target::of(&router.config.load(), b),
+            MODELS_PATH,
+            timeout,
+        ) {
             Err(e @ (ProbeError::TimedOut(_) | ProbeError::Invalid(_))) => {
                 let why = format!("GET {MODELS_PATH}: {e}");
                 if router.models.note_problem(b.generation, Some(why.clone())) {

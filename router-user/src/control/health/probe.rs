@@ -7,7 +7,11 @@
 use std::fmt;
 use std::io::{self, Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use crate::config::Config;
+use crate::fleet::backend::Backend;
 
 use crate::http::MAX_HEADERS;
 use crate::http::chunked::ChunkedDecoder;
@@ -60,8 +64,34 @@ enum Framing {
     Close,
 }
 
-/// `GET path` on `addr`, the whole exchange within `timeout`.
-pub fn get(addr: SocketAddr, path: &str, timeout: Duration) -> Result<Answer, ProbeError> {
+/// Where a probe goes: the backend's address, and for an `https://`
+/// backend the TLS configuration and the name its certificate must carry.
+pub struct Target {
+    pub addr: SocketAddr,
+    pub tls: Option<(Arc<rustls::ClientConfig>, String)>,
+}
+
+impl Target {
+    /// A backend as the data path reaches it (`[backend_tls]` for https).
+    pub fn of(cfg: &Config, b: &Backend) -> Target {
+        Target {
+            addr: b.addr,
+            tls: b
+                .tls_name
+                .clone()
+                .and_then(|n| Some((cfg.loaded.client_tls.clone()?, n))),
+        }
+    }
+}
+
+/// A probe's connection: plain, or rustls over the blocking socket.
+trait Conn: io::Read + io::Write {}
+impl<T: io::Read + io::Write> Conn for T {}
+
+/// `GET path` on `target`, the whole exchange (the TLS handshake
+/// included) within `timeout`.
+pub fn get(target: &Target, path: &str, timeout: Duration) -> Result<Answer, ProbeError> {
+    let addr = target.addr;
     let deadline = Instant::now() + timeout;
     let left = || {
         deadline
@@ -69,20 +99,42 @@ pub fn get(addr: SocketAddr, path: &str, timeout: Duration) -> Result<Answer, Pr
             .filter(|d| !d.is_zero())
             .ok_or(ProbeError::TimedOut(timeout))
     };
-    let mut s = TcpStream::connect_timeout(&addr, left()?).map_err(|e| io_error(e, timeout))?;
-    let _ = s.set_nodelay(true);
-    s.set_write_timeout(Some(left()?)).map_err(ProbeError::Io)?;
+    let sock = TcpStream::connect_timeout(&addr, left()?).map_err(|e| io_error(e, timeout))?;
+    let _ = sock.set_nodelay(true);
+    sock.set_write_timeout(Some(left()?))
+        .map_err(ProbeError::Io)?;
+    sock.set_read_timeout(Some(left()?))
+        .map_err(ProbeError::Io)?;
+    let host = match &target.tls {
+        Some((_, name)) => name.clone(),
+        None => addr.to_string(),
+    };
+    let mut s: Box<dyn Conn> = match &target.tls {
+        None => Box::new(sock.try_clone().map_err(ProbeError::Io)?),
+        Some((cfg, name)) => {
+            let name = rustls::pki_types::ServerName::try_from(name.clone())
+                .map_err(|e| ProbeError::Invalid(format!("TLS name: {e}")))?;
+            let conn = rustls::ClientConnection::new(cfg.clone(), name)
+                .map_err(|e| ProbeError::Io(io::Error::other(e)))?;
+            Box::new(rustls::StreamOwned::new(
+                conn,
+                sock.try_clone().map_err(ProbeError::Io)?,
+            ))
+        }
+    };
     // A few dozen bytes, formatted first so they leave in one segment, into
     // an empty socket buffer.
     let request = format!(
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nUser-Agent: prefix-router-health\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nUser-Agent: prefix-router-health\r\nConnection: close\r\n\r\n"
     );
     s.write_all(request.as_bytes())
+        .and_then(|()| s.flush())
         .map_err(|e| io_error(e, timeout))?;
 
     let mut buf = Vec::with_capacity(4096);
     let mut read_more = |buf: &mut Vec<u8>| -> Result<usize, ProbeError> {
-        s.set_read_timeout(Some(left()?)).map_err(ProbeError::Io)?;
+        sock.set_read_timeout(Some(left()?))
+            .map_err(ProbeError::Io)?;
         let len = buf.len();
         buf.resize(len + READ_CHUNK, 0);
         let r = s.read(&mut buf[len..]);
@@ -233,6 +285,11 @@ fn io_error(e: io::Error, timeout: Duration) -> ProbeError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A plain-HTTP probe of `addr`.
+    fn get(addr: SocketAddr, path: &str, timeout: Duration) -> Result<Answer, ProbeError> {
+        super::get(&Target { addr, tls: None }, path, timeout)
+    }
     use std::net::TcpListener;
 
     /// A server that reads a request head on the first connection, writes
