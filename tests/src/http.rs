@@ -121,11 +121,30 @@ pub fn request_chunks(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> std::io::Result<(Response, Vec<Chunk>)> {
-    let mut s = TcpStream::connect_timeout(&addr, IO_TIMEOUT)?;
+    let mut s = connect(addr)?;
+    request_on(&mut s, &addr.to_string(), method, path, headers, body)
+}
+
+/// A connection with the timeouts every request here uses.
+pub fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let s = TcpStream::connect_timeout(&addr, IO_TIMEOUT)?;
     s.set_read_timeout(Some(IO_TIMEOUT))?;
     s.set_write_timeout(Some(IO_TIMEOUT))?;
     s.set_nodelay(true)?;
-    let mut req = format!("{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n");
+    Ok(s)
+}
+
+/// [`request_chunks`] on a connection already made (a TLS stream over it,
+/// say), with `host` as the Host header.
+pub fn request_on<S: Read + Write>(
+    s: &mut S,
+    host: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> std::io::Result<(Response, Vec<Chunk>)> {
+    let mut req = format!("{method} {path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n");
     for (k, v) in headers {
         req.push_str(&format!("{k}: {v}\r\n"));
     }
@@ -136,10 +155,11 @@ pub fn request_chunks(
     let mut bytes = req.into_bytes();
     bytes.extend_from_slice(body);
     s.write_all(&bytes)?;
+    s.flush()?;
 
     let mut buf = Vec::new();
     let mut tmp = [0u8; 64 * 1024];
-    let mut read_more = |s: &mut TcpStream, buf: &mut Vec<u8>| -> std::io::Result<usize> {
+    let mut read_more = |s: &mut S, buf: &mut Vec<u8>| -> std::io::Result<usize> {
         let n = s.read(&mut tmp)?;
         buf.extend_from_slice(&tmp[..n]);
         Ok(n)
@@ -162,7 +182,7 @@ pub fn request_chunks(
                 break (r.code.unwrap_or(0), hdrs, n);
             }
             httparse::Status::Partial => {
-                if read_more(&mut s, &mut buf)? == 0 {
+                if read_more(s, &mut buf)? == 0 {
                     return Err(std::io::ErrorKind::UnexpectedEof.into());
                 }
             }
@@ -203,21 +223,21 @@ pub fn request_chunks(
                     });
                 }
             }
-            if read_more(&mut s, &mut buf)? == 0 {
+            if read_more(s, &mut buf)? == 0 {
                 return Err(std::io::ErrorKind::UnexpectedEof.into());
             }
             at = Instant::now();
         }
     } else if let Some(len) = get("content-length").and_then(|v| v.parse::<usize>().ok()) {
         while buf.len() < len {
-            if read_more(&mut s, &mut buf)? == 0 {
+            if read_more(s, &mut buf)? == 0 {
                 return Err(std::io::ErrorKind::UnexpectedEof.into());
             }
         }
         buf.truncate(len);
         buf
     } else {
-        while read_more(&mut s, &mut buf)? > 0 {}
+        while read_more(s, &mut buf)? > 0 {}
         buf
     };
     Ok((

@@ -31,6 +31,11 @@
 //!   every kind of Messages or Responses call against any base URL, one
 //!   parsed JSON line per call.
 //!
+//! - [`tls::TestCa::new`]`(name)` and `.issue(&names, Validity::Now, client)`:
+//!   certificates made in the test (expired ones too), written as PEM;
+//!   [`tls::request`]`(addr, &tls::client_config(&ca.pem, None), name, ...)`:
+//!   one HTTPS request over rustls.
+//!
 //! - [`tokenizer_fixture::write`]`(dir)`: a real `tokenizer.json` (a small
 //!   BPE trained here) and a ChatML `tokenizer_config.json`, for
 //!   `sim-engine --tokenizer-dir` and the router's `[precise] tokenizer_dir`.
@@ -57,6 +62,7 @@ pub mod llama_proc;
 pub mod proc;
 pub mod router_proc;
 pub mod sdk;
+pub mod tls;
 pub mod tokenizer_fixture;
 pub mod workload;
 

@@ -40,6 +40,10 @@ pub enum Script {
     /// `previous_response_id` chain, tools, retrieve, cancel, input items,
     /// unknown ids.
     OpenAiResponses,
+    /// `openai_tls_calls.py`: chat completions (plain and streamed) and
+    /// the model list over HTTPS with a given CA, an API key, optionally a
+    /// client certificate, and a wrong key that must get 401.
+    OpenAiTls,
 }
 
 impl Script {
@@ -48,6 +52,7 @@ impl Script {
         let name = match self {
             Script::Anthropic => "anthropic_calls.py",
             Script::OpenAiResponses => "openai_responses_calls.py",
+            Script::OpenAiTls => "openai_tls_calls.py",
         };
         Path::new(env!("CARGO_MANIFEST_DIR")).join("sdk").join(name)
     }
@@ -227,7 +232,11 @@ mod tests {
 
     #[test]
     fn the_scripts_are_in_the_work_tree() {
-        for s in [Script::Anthropic, Script::OpenAiResponses] {
+        for s in [
+            Script::Anthropic,
+            Script::OpenAiResponses,
+            Script::OpenAiTls,
+        ] {
             assert!(s.path().is_file(), "{}", s.path().display());
         }
     }

@@ -30,6 +30,7 @@ impl Target {
     /// Parses and resolves a base URL.
     pub async fn parse(url: &str) -> anyhow::Result<Self> {
         let u = HttpUrl::parse(url).context("target")?;
+        anyhow::ensure!(!u.tls, "the workload client speaks plain HTTP only: {url}");
         let hostport = u.host_port();
         let addr = tokio::net::lookup_host(&hostport)
             .await?

@@ -30,4 +30,5 @@ mod router_ops;
 mod router_replicas;
 mod router_routing;
 mod router_smuggling;
+mod router_tls;
 mod workload_chat;

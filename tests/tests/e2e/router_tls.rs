@@ -1,0 +1,595 @@
+//! TLS and API keys through real processes: the official openai SDK over
+//! HTTPS with a CA made in the test and an API key; certificates that are
+//! expired, for another host or from another CA refused; mTLS; keys and
+//! certificates rotated under traffic without a lost request; garbage and
+//! truncated handshakes that no other connection notices.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use testkit::engine_proc::SimEngine;
+use testkit::router_proc::Router;
+use testkit::sdk::{self, Script};
+use testkit::tls::{self, Issued, TestCa, Validity, write_atomically};
+
+/// A folder of its own for one test's files.
+fn dir(test: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("router-tls-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("test dir");
+    d
+}
+
+fn sha256_hex(key: &str) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(key.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A keys file of `(name, key, tenant)`.
+fn keys_file(path: &Path, keys: &[(&str, &str, &str)]) {
+    let mut text = String::new();
+    for (name, key, tenant) in keys {
+        text.push_str(&format!(
+            "[[keys]]\nname = \"{name}\"\nsha256 = \"{}\"\ntenant = \"{tenant}\"\n\n",
+            sha256_hex(key)
+        ));
+    }
+    write_atomically(path, &text);
+}
+
+fn chat_body() -> Vec<u8> {
+    serde_json::to_vec(&json!({
+        "model": "sim-llama-8b",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hello over tls"}]
+    }))
+    .expect("json")
+}
+
+/// One HTTPS chat request with `key`: its status, or the error.
+fn chat(
+    addr: SocketAddr,
+    cfg: &Arc<rustls::ClientConfig>,
+    key: Option<&str>,
+) -> std::io::Result<u16> {
+    let auth = key.map(|k| format!("Bearer {k}"));
+    let mut headers = vec![("content-type", "application/json")];
+    if let Some(a) = &auth {
+        headers.push(("authorization", a.as_str()));
+    }
+    tls::request(
+        addr,
+        cfg,
+        "localhost",
+        "POST",
+        "/v1/chat/completions",
+        &headers,
+        &chat_body(),
+    )
+    .map(|r| r.status)
+}
+
+/// The value of the metric line starting with `prefix` (0 when absent).
+fn metric(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// A router with `[tls]` from `server` (and `extra` TOML) in front of one
+/// sim-engine; files go to `d`.
+fn tls_router(d: &Path, server: &Issued, extra: &str) -> (SimEngine, Router) {
+    let engine = SimEngine::spawn(&["--time-scale", "0"]);
+    let (cert, key) = server.write(d, "server");
+    let cfg = format!(
+        "watch_files_ms = 100\n{extra}\n[tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+        cert.display(),
+        key.display()
+    );
+    let r = Router::spawn(&[engine.url()], &[], &cfg);
+    (engine, r)
+}
+
+/// Polls `f` every 50 ms for up to 10 s until it holds.
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn tls_the_openai_sdk_works_over_https_with_a_key_and_a_wrong_key_gets_401() {
+    let Some(py) = sdk::require("tls_the_openai_sdk_works_over_https_with_a_key") else {
+        return;
+    };
+    let d = dir("sdk");
+    let ca = TestCa::new("sdk test CA");
+    let ca_path = ca.write(&d, "ca");
+    let server = ca.issue(&["localhost"], Validity::Now, false);
+    let keys = d.join("keys.toml");
+    keys_file(&keys, &[("alpha-laptop", "sk-alpha", "alpha")]);
+    let (_e, r) = tls_router(
+        &d,
+        &server,
+        &format!("[auth]\nkeys_file = \"{}\"", keys.display()),
+    );
+    let base = format!("https://localhost:{}", r.addr.port());
+    let run = sdk::run(
+        &py,
+        Script::OpenAiTls,
+        &base,
+        "sim-llama-8b",
+        &[
+            "--ca",
+            ca_path.to_str().expect("path"),
+            "--api-key",
+            "sk-alpha",
+            "--wrong-key",
+            "sk-nope",
+        ],
+    );
+    run.assert_success();
+    assert!(
+        run.call("chat.completions.stream")["chunks"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 2,
+        "{run}"
+    );
+    assert_eq!(run.call("wrong_key")["status"], 401, "{run}");
+    assert_eq!(run.call("wrong_key")["code"], "invalid_api_key", "{run}");
+    let m = r.metrics();
+    // Chat, stream and the model list were let in with the key; their
+    // answers' tokens are counted to it.
+    assert!(
+        metric(
+            &m,
+            "prefix_router_api_key_requests_total{key=\"alpha-laptop\"}"
+        ) >= 3.0,
+        "{m}"
+    );
+    assert!(
+        metric(
+            &m,
+            "prefix_router_api_key_tokens_total{key=\"alpha-laptop\",kind=\"prompt\"}"
+        ) > 0.0,
+        "{m}"
+    );
+    assert!(metric(&m, "prefix_router_unauthorized_total") >= 1.0, "{m}");
+    // The key is never written to the log.
+    assert!(!r.child.stderr_tail(1 << 20).contains("sk-alpha"));
+}
+
+#[test]
+fn tls_expired_wrong_host_and_untrusted_certificates_are_refused() {
+    let d = dir("refused");
+    let ca = TestCa::new("refusal CA");
+    let server = ca.issue(&["localhost"], Validity::Now, false);
+    let (_e, r) = tls_router(&d, &server, "");
+    let trusting = tls::client_config(&ca.pem, None);
+    assert_eq!(
+        chat(r.addr, &trusting, None).expect("a trusted, valid certificate"),
+        200
+    );
+
+    // Another name than the certificate's.
+    let err = tls::request(
+        r.addr,
+        &trusting,
+        "wrong.example",
+        "GET",
+        "/v1/models",
+        &[],
+        b"",
+    )
+    .expect_err("a certificate for another host was accepted");
+    assert!(format!("{err}").contains("not valid for name"), "{err}");
+
+    // A CA the client does not trust.
+    let other = tls::client_config(&TestCa::new("another CA").pem, None);
+    let err = chat(r.addr, &other, None).expect_err("an untrusted certificate was accepted");
+    assert!(format!("{err:?}").contains("UnknownIssuer"), "{err:?}");
+
+    // The router's certificate replaced by an expired one: taken up on the
+    // file change, and refused by the client.
+    ca.issue(&["localhost"], Validity::Expired, false)
+        .write(&d, "server");
+    eventually("the expired certificate is served", || {
+        chat(r.addr, &trusting, None).is_err_and(|e| format!("{e:?}").contains("Expired"))
+    });
+}
+
+#[test]
+fn tls_mtls_wants_a_client_certificate_from_the_configured_ca() {
+    let d = dir("mtls");
+    let ca = TestCa::new("mtls CA");
+    let server = ca.issue(&["localhost"], Validity::Now, false);
+    let client_ca = ca.write(&d, "client-ca");
+    let (cert, key) = server.write(&d, "server");
+    let engine = SimEngine::spawn(&["--time-scale", "0"]);
+    let r = Router::spawn(
+        &[engine.url()],
+        &[],
+        &format!(
+            "[tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n",
+            cert.display(),
+            key.display(),
+            client_ca.display()
+        ),
+    );
+    let without = tls::client_config(&ca.pem, None);
+    assert!(
+        chat(r.addr, &without, None).is_err(),
+        "served without a client certificate"
+    );
+    let stranger = TestCa::new("stranger CA").issue(&["client-x"], Validity::Now, true);
+    let foreign = tls::client_config(&ca.pem, Some(&stranger));
+    assert!(
+        chat(r.addr, &foreign, None).is_err(),
+        "served a client certificate from another CA"
+    );
+    let mine = ca.issue(&["client-a"], Validity::Now, true);
+    let with = tls::client_config(&ca.pem, Some(&mine));
+    assert_eq!(
+        chat(r.addr, &with, None).expect("a client certificate from the CA"),
+        200
+    );
+    let m = r.metrics();
+    assert!(
+        metric(&m, "prefix_router_tls_handshakes_total{result=\"failed\"}") >= 2.0,
+        "{m}"
+    );
+}
+
+#[test]
+fn tls_keys_and_certificates_rotate_under_traffic_without_a_lost_request() {
+    let d = dir("rotate");
+    let ca = TestCa::new("rotation CA");
+    let server = ca.issue(&["localhost"], Validity::Now, false);
+    let keys = d.join("keys.toml");
+    keys_file(&keys, &[("old", "sk-old", "team")]);
+    let (_e, r) = tls_router(
+        &d,
+        &server,
+        &format!("[auth]\nkeys_file = \"{}\"", keys.display()),
+    );
+    let cfg = tls::client_config(&ca.pem, None);
+    assert_eq!(chat(r.addr, &cfg, Some("sk-old")).expect("old key"), 200);
+
+    // Two clients send without pause, each with the key it is told.
+    let stop = Arc::new(AtomicBool::new(false));
+    let use_new = Arc::new(AtomicBool::new(false));
+    let (sent, failed) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let clients: Vec<_> = (0..2)
+        .map(|_| {
+            let (stop, use_new, sent, failed, cfg) = (
+                stop.clone(),
+                use_new.clone(),
+                sent.clone(),
+                failed.clone(),
+                cfg.clone(),
+            );
+            let addr = r.addr;
+            std::thread::spawn(move || {
+                let mut errors = Vec::new();
+                while !stop.load(Relaxed) {
+                    let key = if use_new.load(Relaxed) {
+                        "sk-new"
+                    } else {
+                        "sk-old"
+                    };
+                    sent.fetch_add(1, Relaxed);
+                    match chat(addr, &cfg, Some(key)) {
+                        Ok(200) => {}
+                        other => {
+                            failed.fetch_add(1, Relaxed);
+                            errors.push(format!("{key}: {other:?}"));
+                        }
+                    }
+                }
+                errors
+            })
+        })
+        .collect();
+    let probe = tls::client_config(&ca.pem, None);
+    // The new key joins; the clients move to it; the old key leaves.
+    keys_file(
+        &keys,
+        &[("old", "sk-old", "team"), ("new", "sk-new", "team")],
+    );
+    eventually("the new key is accepted", || {
+        chat(r.addr, &probe, Some("sk-new")).is_ok_and(|s| s == 200)
+    });
+    use_new.store(true, Relaxed);
+    std::thread::sleep(Duration::from_millis(300));
+    keys_file(&keys, &[("new", "sk-new", "team")]);
+    eventually("the old key is refused", || {
+        chat(r.addr, &probe, Some("sk-old")).is_ok_and(|s| s == 401)
+    });
+    // A new certificate (a new key pair) replaces the old by a rename.
+    let fresh = ca.issue(&["localhost"], Validity::Now, false);
+    let fresh_der = rustls::pki_types::pem::PemObject::from_pem_slice(fresh.cert_pem.as_bytes())
+        .map(|c: rustls::pki_types::CertificateDer<'static>| c.to_vec())
+        .expect("cert");
+    fresh.write(&d, "server");
+    eventually("the new certificate is served", || {
+        served_cert(r.addr, &probe).is_some_and(|c| c == fresh_der)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Relaxed);
+    let errors: Vec<String> = clients
+        .into_iter()
+        .flat_map(|c| c.join().expect("client"))
+        .collect();
+    let sent = sent.load(Relaxed);
+    assert!(
+        sent >= 20,
+        "only {sent} requests were sent during the rotations"
+    );
+    assert!(
+        errors.is_empty(),
+        "{} of {sent} requests lost: {errors:?}",
+        errors.len()
+    );
+    let m = r.metrics();
+    assert!(
+        metric(&m, "prefix_router_api_key_requests_total{key=\"new\"}") >= 1.0,
+        "{m}"
+    );
+}
+
+/// The leaf certificate a new connection to `addr` is shown.
+fn served_cert(addr: SocketAddr, cfg: &Arc<rustls::ClientConfig>) -> Option<Vec<u8>> {
+    let name = rustls::pki_types::ServerName::try_from("localhost").ok()?;
+    let mut conn = rustls::ClientConnection::new(cfg.clone(), name).ok()?;
+    let mut sock = testkit::http::connect(addr).ok()?;
+    while conn.is_handshaking() {
+        conn.complete_io(&mut sock).ok()?;
+    }
+    Some(conn.peer_certificates()?.first()?.to_vec())
+}
+
+#[test]
+fn tls_garbage_and_truncated_handshakes_do_not_disturb_other_connections() {
+    use std::io::{Read, Write};
+    let d = dir("garbage");
+    let ca = TestCa::new("garbage CA");
+    let server = ca.issue(&["localhost"], Validity::Now, false);
+    let (_e, r) = tls_router(&d, &server, "[timeouts]\nclient_header_ms = 1000");
+    let cfg = tls::client_config(&ca.pem, None);
+    // A real ClientHello's first bytes.
+    let hello = {
+        let name = rustls::pki_types::ServerName::try_from("localhost").expect("name");
+        let mut c = rustls::ClientConnection::new(cfg.clone(), name).expect("conn");
+        let mut out = Vec::new();
+        c.write_tls(&mut out).expect("hello");
+        out
+    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let attackers: Vec<_> = (0..3)
+        .map(|kind| {
+            let (stop, hello, addr) = (stop.clone(), hello.clone(), r.addr);
+            std::thread::spawn(move || {
+                let mut n = 0u32;
+                let mut held = Vec::new();
+                while !stop.load(Relaxed) {
+                    let Ok(mut s) = testkit::http::connect(addr) else {
+                        continue;
+                    };
+                    let bytes: Vec<u8> = match kind {
+                        // Not TLS at all.
+                        0 => b"GET / HTTP/1.1\r\nHost: x\r\n\r\n\x00\xff\x16\x03".to_vec(),
+                        // A hello cut in the middle, then a close.
+                        1 => hello[..hello.len() / 2].to_vec(),
+                        // A hello cut short and left hanging (held open).
+                        _ => hello[..10].to_vec(),
+                    };
+                    let _ = s.write_all(&bytes);
+                    if kind == 2 {
+                        held.push(s);
+                        held.truncate(50);
+                        std::thread::sleep(Duration::from_millis(20));
+                    } else {
+                        let _ = s.shutdown(std::net::Shutdown::Write);
+                        let _ = s.read(&mut [0u8; 256]);
+                    }
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+    let mut worst = Duration::ZERO;
+    for _ in 0..60 {
+        let t = Instant::now();
+        assert_eq!(
+            chat(r.addr, &cfg, None).expect("a good client during the attack"),
+            200
+        );
+        worst = worst.max(t.elapsed());
+    }
+    stop.store(true, Relaxed);
+    let bad: u32 = attackers
+        .into_iter()
+        .map(|a| a.join().expect("attacker"))
+        .sum();
+    assert!(bad >= 30, "only {bad} malformed handshakes were made");
+    assert!(
+        worst < Duration::from_secs(2),
+        "a good request took {worst:?}"
+    );
+    let m = r.metrics();
+    assert!(
+        metric(&m, "prefix_router_tls_handshakes_total{result=\"failed\"}") >= 20.0,
+        "{m}"
+    );
+}
+
+#[test]
+fn tls_backends_over_https_with_their_own_key_and_a_client_certificate() {
+    let d = dir("backend");
+    let ca = TestCa::new("backend CA");
+    // The "engine": a router with TLS, mTLS and its own key, in front of a
+    // sim-engine, as an HTTPS inference server with --api-key would be.
+    let server = ca.issue(&["localhost"], Validity::Now, false);
+    let (cert, key) = server.write(&d, "engine");
+    let ca_path = ca.write(&d, "ca");
+    let engine_keys = d.join("engine-keys.toml");
+    keys_file(&engine_keys, &[("router", "sk-engine", "router")]);
+    let sim = SimEngine::spawn(&["--time-scale", "0"]);
+    let front = Router::spawn(
+        &[sim.url()],
+        &[],
+        &format!(
+            "[tls]\ncert = \"{}\"\nkey = \"{}\"\nclient_ca = \"{}\"\n[auth]\nkeys_file = \"{}\"\n",
+            cert.display(),
+            key.display(),
+            ca_path.display(),
+            engine_keys.display()
+        ),
+    );
+    let (client_cert, client_key) = ca
+        .issue(&["router"], Validity::Now, true)
+        .write(&d, "client");
+    let engine_key = d.join("engine.key");
+    std::fs::write(&engine_key, "sk-engine\n").expect("key file");
+    let user_keys = d.join("user-keys.toml");
+    keys_file(&user_keys, &[("user", "sk-user", "users")]);
+    let https = format!("https://localhost:{}", front.addr.port());
+    let r = Router::spawn(
+        &[],
+        &[],
+        &format!(
+            "backends = [{{ url = \"{https}\", api_key_file = \"{}\" }}]\n[health]\npath = \"/v1/models\"\ninterval_ms = 200\n[backend_tls]\nca = \"{}\"\ncert = \"{}\"\nkey = \"{}\"\n[auth]\nkeys_file = \"{}\"\n",
+            engine_key.display(),
+            ca_path.display(),
+            client_cert.display(),
+            client_key.display(),
+            user_keys.display()
+        ),
+    );
+    // The probe over TLS passes; the model list is read over TLS.
+    assert!(
+        r.wait_backend(&https, Duration::from_secs(10), |b| b["healthy"] == true),
+        "{:?}",
+        r.backends()
+    );
+    let models = |k: &str| {
+        testkit::http::request(r.addr, "GET", "/v1/models", &[("authorization", k)], b"")
+            .expect("models")
+    };
+    eventually("the backend's models are read over TLS", || {
+        models("Bearer sk-user").text().contains("sim-llama-8b")
+    });
+    // The caller's key is the router's; the engine gets its own.
+    let post = |k: &str| {
+        testkit::http::request(
+            r.addr,
+            "POST",
+            "/v1/chat/completions",
+            &[("content-type", "application/json"), ("authorization", k)],
+            &chat_body(),
+        )
+        .expect("chat")
+    };
+    let ok = post("Bearer sk-user");
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    assert_eq!(
+        post("Bearer sk-engine").status,
+        401,
+        "the engine's key is not a caller's"
+    );
+    // Straight to the engine, the user's key is refused.
+    let direct = tls::client_config(&ca.pem, Some(&ca.issue(&["x"], Validity::Now, true)));
+    assert_eq!(
+        chat(front.addr, &direct, Some("sk-user")).expect("direct"),
+        401
+    );
+
+    // A backend whose certificate does not name the URL's host is refused.
+    let wrong = Router::spawn(
+        &[],
+        &[],
+        &format!(
+            "backends = [\"https://127.0.0.1:{}\"]\n[health]\npath = \"/v1/models\"\ninterval_ms = 200\n[backend_tls]\nca = \"{}\"\ncert = \"{}\"\nkey = \"{}\"\n",
+            front.addr.port(),
+            ca_path.display(),
+            client_cert.display(),
+            client_key.display()
+        ),
+    );
+    let url = format!("https://127.0.0.1:{}", front.addr.port());
+    assert!(
+        wrong.wait_backend(&url, Duration::from_secs(10), |b| b["healthy"] == false),
+        "{:?}",
+        wrong.backends()
+    );
+    let refused = testkit::http::request(
+        wrong.addr,
+        "POST",
+        "/v1/chat/completions",
+        &[("content-type", "application/json")],
+        &chat_body(),
+    )
+    .expect("chat");
+    assert!(refused.status >= 500, "{}", refused.text());
+}
+
+#[test]
+fn admin_token_guards_the_admin_paths_and_an_open_admin_port_is_refused() {
+    let engine = SimEngine::spawn(&["--time-scale", "0"]);
+    let r = Router::spawn(
+        &[engine.url()],
+        &[],
+        &format!(
+            "[admin]\ntoken_sha256 = \"{}\"\n",
+            sha256_hex("admin-secret")
+        ),
+    );
+    let get = |path: &str, auth: Option<&str>| {
+        let h: Vec<(&str, &str)> = auth.map(|a| ("authorization", a)).into_iter().collect();
+        testkit::http::request(r.admin, "GET", path, &h, b"").expect("admin")
+    };
+    assert_eq!(get("/health", None).status, 200);
+    assert_eq!(get("/admin/backends", None).status, 401);
+    assert_eq!(get("/admin/backends", Some("Bearer wrong")).status, 401);
+    assert_eq!(
+        get("/admin/backends", Some("Bearer admin-secret")).status,
+        200
+    );
+    let post = |path: &str, auth: &str| {
+        testkit::http::request(r.admin, "POST", path, &[("authorization", auth)], b"")
+            .expect("admin")
+            .status
+    };
+    assert_eq!(post("/admin/reload", "Bearer nope"), 401);
+    assert_eq!(post("/admin/reload", "Bearer admin-secret"), 200);
+    assert_eq!(
+        post(
+            &format!("/admin/drain?backend={}", engine.url()),
+            "Bearer nope"
+        ),
+        401
+    );
+
+    // On an address others reach, no token is no start.
+    let port = testkit::proc::free_port();
+    let err = Router::try_spawn(
+        &[engine.url()],
+        &["--admin-listen", &format!("0.0.0.0:{port}")],
+        "",
+    )
+    .err()
+    .expect("an unauthenticated admin listener on 0.0.0.0 started");
+    assert!(err.contains("not a loopback address"), "{err}");
+}
