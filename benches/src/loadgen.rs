@@ -12,7 +12,7 @@ use prefix_router::http::chunked::ChunkedDecoder;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// Longest time one request may take before its connection is dropped.
@@ -20,11 +20,23 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// Latency histogram range: 1 us to 60 s at 3 significant digits.
 const HIST_MAX_NS: u64 = 60_000_000_000;
 
+/// How connections are made.
+#[derive(Clone, Default)]
+pub struct ConnSpec {
+    /// TLS with this client configuration, checking the server's
+    /// certificate against the name (plain TCP when `None`).
+    pub tls: Option<(Arc<rustls::ClientConfig>, String)>,
+    /// A new connection for every request (each pays the TCP, and TLS,
+    /// handshake); otherwise connections are kept alive.
+    pub fresh: bool,
+}
+
 /// What to send, where, and for how long.
 #[derive(Clone)]
 pub struct LoadSpec {
     /// Connection `i` goes to `targets[i % len]`.
     pub targets: Vec<SocketAddr>,
+    pub conn: ConnSpec,
     /// One complete HTTP/1.1 request, sent as is.
     pub request: Arc<Vec<u8>>,
     pub concurrency: usize,
@@ -94,7 +106,19 @@ pub fn run<P: FnMut() -> [f64; 2]>(
                 for i in 0..s.concurrency {
                     let addr = s.targets[i % s.targets.len()];
                     let req = s.request.clone();
-                    tasks.push(tokio::spawn(conn_loop(addr, req, t0, t1)));
+                    let conn = s.conn.clone();
+                    tasks.push(tokio::spawn(async move {
+                        match conn.tls {
+                            None => conn_loop(addr, req, t0, t1, conn.fresh, Plain).await,
+                            Some((cfg, name)) => {
+                                let tls = Tls {
+                                    connector: tokio_rustls::TlsConnector::from(cfg),
+                                    name,
+                                };
+                                conn_loop(addr, req, t0, t1, conn.fresh, tls).await
+                            }
+                        }
+                    }));
                 }
                 let mut out = Vec::with_capacity(tasks.len());
                 for t in tasks {
@@ -128,7 +152,48 @@ pub fn run<P: FnMut() -> [f64; 2]>(
     Ok((r, [b[0] - a[0], b[1] - a[1]]))
 }
 
-async fn conn_loop(addr: SocketAddr, req: Arc<Vec<u8>>, t0: Instant, t1: Instant) -> ConnStats {
+/// How a connection is made: plain TCP, or TLS over it.
+trait Connect {
+    type Stream: AsyncRead + AsyncWrite + Unpin;
+    async fn connect(&self, addr: SocketAddr) -> std::io::Result<Self::Stream>;
+}
+
+struct Plain;
+
+impl Connect for Plain {
+    type Stream = TcpStream;
+    async fn connect(&self, addr: SocketAddr) -> std::io::Result<TcpStream> {
+        let s = TcpStream::connect(addr).await?;
+        let _ = s.set_nodelay(true);
+        Ok(s)
+    }
+}
+
+struct Tls {
+    connector: tokio_rustls::TlsConnector,
+    name: String,
+}
+
+impl Connect for Tls {
+    type Stream = tokio_rustls::client::TlsStream<TcpStream>;
+    async fn connect(&self, addr: SocketAddr) -> std::io::Result<Self::Stream> {
+        let tcp = Plain.connect(addr).await?;
+        let name = rustls::pki_types::ServerName::try_from(self.name.clone())
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        self.connector.connect(name, tcp).await
+    }
+}
+
+/// One connection's loop. With `fresh`, each request's time includes
+/// making its connection (and the TLS handshake).
+async fn conn_loop<C: Connect>(
+    addr: SocketAddr,
+    req: Arc<Vec<u8>>,
+    t0: Instant,
+    t1: Instant,
+    fresh: bool,
+    connector: C,
+) -> ConnStats {
     let mut st = ConnStats {
         ok: 0,
         errors: 0,
@@ -136,15 +201,13 @@ async fn conn_loop(addr: SocketAddr, req: Arc<Vec<u8>>, t0: Instant, t1: Instant
         first_byte: hist(),
     };
     let mut buf = Vec::with_capacity(64 << 10);
-    let mut conn: Option<TcpStream> = None;
+    let mut conn: Option<C::Stream> = None;
     while Instant::now() < t1 {
+        let start = Instant::now();
         let s = match conn.take() {
             Some(s) => s,
-            None => match TcpStream::connect(addr).await {
-                Ok(s) => {
-                    let _ = s.set_nodelay(true);
-                    s
-                }
+            None => match connector.connect(addr).await {
+                Ok(s) => s,
                 Err(_) => {
                     st.errors += 1;
                     tokio::time::sleep(Duration::from_millis(10)).await;
@@ -152,13 +215,12 @@ async fn conn_loop(addr: SocketAddr, req: Arc<Vec<u8>>, t0: Instant, t1: Instant
                 }
             },
         };
-        let start = Instant::now();
         let r = tokio::time::timeout(REQUEST_TIMEOUT, exchange(s, &req, &mut buf)).await;
         let end = Instant::now();
         let in_window = end >= t0 && end <= t1;
         match r {
             Ok(Ok((s, status, first))) => {
-                conn = Some(s);
+                conn = (!fresh).then_some(s);
                 if in_window {
                     if status == 200 {
                         st.ok += 1;
@@ -185,11 +247,11 @@ fn ns(d: Duration) -> u64 {
 
 /// Sends `req` and reads one whole response (Content-Length or chunked);
 /// returns the connection, the status and the instant of the first byte.
-async fn exchange(
-    mut s: TcpStream,
+async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
+    mut s: S,
     req: &[u8],
     buf: &mut Vec<u8>,
-) -> std::io::Result<(TcpStream, u16, Instant)> {
+) -> std::io::Result<(S, u16, Instant)> {
     let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
     s.write_all(req).await?;
     buf.clear();
@@ -245,7 +307,7 @@ enum Body {
     Chunked,
 }
 
-async fn read_more(s: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<()> {
+async fn read_more<S: AsyncRead + Unpin>(s: &mut S, buf: &mut Vec<u8>) -> std::io::Result<()> {
     if buf.capacity() - buf.len() < 16 << 10 {
         buf.reserve(64 << 10);
     }

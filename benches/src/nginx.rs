@@ -35,8 +35,26 @@ pub fn binary() -> Option<PathBuf> {
         .find(|p| p.exists())
 }
 
-/// The config of a keep-alive round-robin proxy on `listen` to `upstreams`.
-pub fn config(dir: &Path, listen: SocketAddr, upstreams: &[SocketAddr], workers: usize) -> String {
+/// The config of a keep-alive round-robin proxy on `listen` to `upstreams`;
+/// with `tls` (certificate and key files), terminating TLS there.
+pub fn config(
+    dir: &Path,
+    listen: SocketAddr,
+    upstreams: &[SocketAddr],
+    workers: usize,
+    tls: Option<(&Path, &Path)>,
+) -> String {
+    // TLS 1.2 and 1.3 as the router offers them; the session cache and
+    // tickets as a site would keep them (the bench's client resumes no
+    // session: each handshake is whole).
+    let ssl = match tls {
+        Some((cert, key)) => format!(
+            " ssl;\n    ssl_certificate {};\n    ssl_certificate_key {};\n    ssl_protocols TLSv1.2 TLSv1.3;\n    ssl_session_cache shared:SSL:10m",
+            cert.display(),
+            key.display()
+        ),
+        None => String::new(),
+    };
     let d = dir.display();
     let servers: String = upstreams
         .iter()
@@ -60,7 +78,7 @@ http {{
     keepalive_requests 1000000;
   }}
   server {{
-    listen {listen} reuseport backlog=4096;
+    listen {listen} reuseport backlog=4096{ssl};
     keepalive_requests 1000000;
     keepalive_timeout 120s;
     client_max_body_size 64m;
@@ -88,6 +106,26 @@ pub struct Nginx {
 impl Nginx {
     /// Starts nginx in `dir` with `workers` worker processes.
     pub fn start(dir: &Path, upstreams: &[SocketAddr], workers: usize) -> anyhow::Result<Nginx> {
+        Self::start_with(dir, upstreams, workers, None)
+    }
+
+    /// [`Nginx::start`] terminating TLS with `cert` and `key` (PEM files).
+    pub fn start_tls(
+        dir: &Path,
+        upstreams: &[SocketAddr],
+        workers: usize,
+        cert: &Path,
+        key: &Path,
+    ) -> anyhow::Result<Nginx> {
+        Self::start_with(dir, upstreams, workers, Some((cert, key)))
+    }
+
+    fn start_with(
+        dir: &Path,
+        upstreams: &[SocketAddr],
+        workers: usize,
+        tls: Option<(&Path, &Path)>,
+    ) -> anyhow::Result<Nginx> {
         let Some(bin) = binary() else {
             bail!("nginx is not installed (run `cargo xtask setup`)");
         };
@@ -96,7 +134,7 @@ impl Nginx {
         let dir = &dir.canonicalize()?;
         let addr: SocketAddr = format!("127.0.0.1:{}", testkit::proc::free_port()).parse()?;
         let conf = dir.join("nginx.conf");
-        std::fs::write(&conf, config(dir, addr, upstreams, workers))
+        std::fs::write(&conf, config(dir, addr, upstreams, workers, tls))
             .with_context(|| format!("write {}", conf.display()))?;
         let mut cmd = Command::new(bin);
         cmd.arg("-p")

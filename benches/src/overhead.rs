@@ -37,6 +37,10 @@ const STREAM_ENGINE: &[&str] = &[
 pub const BASELINE_ENV: &str = "PREFIX_BENCH_BASELINE_ROUTER";
 /// Tokens per streamed answer.
 const STREAM_TOKENS: u32 = 16;
+/// Tiny requests on kept-alive connections, the TLS targets beside the rest.
+pub const TLS_PHASE: &str = "tls-tiny";
+/// Tiny requests, a new connection (and TLS handshake) for each.
+pub const HANDSHAKE_PHASE: &str = "tls-handshake";
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct OverheadCfg {
@@ -54,6 +58,11 @@ pub struct OverheadCfg {
     pub duration_ms: u64,
     /// Worker threads of prefix-router and worker processes of nginx.
     pub workers: usize,
+    /// Concurrencies of the TLS rows (`tls-tiny`: keep-alive connections;
+    /// `tls-handshake` runs at 1, a new connection per request); empty: no
+    /// TLS rows.
+    #[serde(default)]
+    pub tls_concurrencies: Vec<usize>,
 }
 
 impl OverheadCfg {
@@ -69,6 +78,7 @@ impl OverheadCfg {
             warmup_ms: 300,
             duration_ms: 1500,
             workers: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            tls_concurrencies: vec![1, 64],
         }
     }
 
@@ -77,6 +87,7 @@ impl OverheadCfg {
             engines: 2,
             concurrencies: vec![1, 8],
             sizes_kb: vec![64],
+            tls_concurrencies: vec![1],
             repeats: 1,
             warmup_ms: 100,
             duration_ms: 300,
@@ -86,7 +97,13 @@ impl OverheadCfg {
 
     /// Measured runs this config makes per target.
     pub fn runs(&self) -> usize {
-        self.repeats * (self.concurrencies.len() + self.sizes_kb.len() + usize::from(self.stream))
+        let tls = if self.tls_concurrencies.is_empty() {
+            0
+        } else {
+            self.tls_concurrencies.len() + 1
+        };
+        self.repeats
+            * (self.concurrencies.len() + self.sizes_kb.len() + usize::from(self.stream) + tls)
     }
 }
 
@@ -160,7 +177,20 @@ struct Target {
     addrs: Vec<SocketAddr>,
     /// Pid whose CPU is the proxy's, and whether its children count too.
     cpu: Option<(u32, bool)>,
+    /// Reached over TLS (only in the `tls-*` phases).
+    tls: Option<(Arc<rustls::ClientConfig>, String)>,
 }
+
+/// The TLS side of the stand: one certificate from a CA made for the run,
+/// the router and nginx each terminating TLS with it.
+struct TlsStand {
+    client: Arc<rustls::ClientConfig>,
+    router: Router,
+    nginx: Option<Nginx>,
+}
+
+/// The name the TLS targets' certificate carries.
+const TLS_NAME: &str = "localhost";
 
 /// Engines with a router and (maybe) nginx in front.
 struct Stand {
@@ -169,6 +199,7 @@ struct Stand {
     /// Another build of the router, side by side (`BASELINE_ENV`).
     baseline: Option<Router>,
     nginx: Option<Nginx>,
+    tls: Option<TlsStand>,
 }
 
 impl Stand {
@@ -180,6 +211,7 @@ impl Stand {
         dir: &Path,
     ) -> anyhow::Result<(Stand, Option<String>)> {
         let args: Vec<String> = engine_args.iter().map(|s| s.to_string()).collect();
+        let nginx_mode = nginx;
         let engines = fleet::start_engines(bins, cfg.engines, &args)?;
         let router = Router::start(
             bins,
@@ -205,43 +237,126 @@ impl Stand {
                 Err(e) => return Err(e),
             },
         };
+        let tls = if cfg.tls_concurrencies.is_empty() || engine_args == STREAM_ENGINE {
+            None
+        } else {
+            Some(TlsStand::start(bins, cfg, &engines, nginx_mode, dir)?)
+        };
         Ok((
             Stand {
                 engines,
                 router,
                 baseline,
                 nginx,
+                tls,
             },
             note,
         ))
     }
 
-    fn targets(&self) -> Vec<Target> {
+    /// The targets of a phase: the TLS ones only in the `tls-*` phases.
+    fn targets(&self, tls_phase: bool) -> Vec<Target> {
         let mut t = vec![Target {
             name: "direct",
             addrs: self.engines.iter().map(|e| e.addr).collect(),
             cpu: None,
+            tls: None,
         }];
         if let Some(n) = &self.nginx {
             t.push(Target {
                 name: "nginx",
                 addrs: vec![n.addr],
                 cpu: Some((n.child.pid(), true)),
+                tls: None,
             });
         }
         t.push(Target {
             name: "prefix-router",
             addrs: vec![self.router.addr],
             cpu: Some((self.router.child.pid(), false)),
+            tls: None,
         });
         if let Some(b) = &self.baseline {
             t.push(Target {
                 name: "baseline",
                 addrs: vec![b.addr],
                 cpu: Some((b.child.pid(), false)),
+                tls: None,
+            });
+        }
+        if let (true, Some(s)) = (tls_phase, &self.tls) {
+            let tls = Some((s.client.clone(), TLS_NAME.to_string()));
+            if let Some(n) = &s.nginx {
+                t.push(Target {
+                    name: "nginx-tls",
+                    addrs: vec![n.addr],
+                    cpu: Some((n.child.pid(), true)),
+                    tls: tls.clone(),
+                });
+            }
+            t.push(Target {
+                name: "prefix-router-tls",
+                addrs: vec![s.router.addr],
+                cpu: Some((s.router.child.pid(), false)),
+                tls,
             });
         }
         t
+    }
+}
+
+impl TlsStand {
+    /// A certificate for `localhost` from a CA made here; prefix-router
+    /// (`[tls]`) and nginx (`listen ... ssl`, TLS 1.2 and 1.3, session
+    /// tickets and cache as shipped) serving it in front of `engines`.
+    fn start(
+        bins: &Bins,
+        cfg: &OverheadCfg,
+        engines: &[Engine],
+        nginx: NginxMode,
+        dir: &Path,
+    ) -> anyhow::Result<TlsStand> {
+        let dir = dir.join("tls");
+        std::fs::create_dir_all(&dir)?;
+        let dir = dir.canonicalize()?;
+        let ca = testkit::tls::TestCa::new("overhead bench CA");
+        let (cert, key) = ca
+            .issue(&[TLS_NAME], testkit::tls::Validity::Now, false)
+            .write(&dir, "server");
+        let conf = dir.join("router.toml");
+        std::fs::write(
+            &conf,
+            format!(
+                "[tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+                cert.display(),
+                key.display()
+            ),
+        )?;
+        let router = Router::start(
+            bins,
+            engines,
+            "prefix",
+            &[
+                "--workers".into(),
+                cfg.workers.to_string(),
+                "--config".into(),
+                conf.display().to_string(),
+            ],
+        )?;
+        let addrs: Vec<SocketAddr> = engines.iter().map(|e| e.addr).collect();
+        let nginx = match nginx {
+            NginxMode::Off => None,
+            mode => match Nginx::start_tls(&dir.join("nginx"), &addrs, cfg.workers, &cert, &key) {
+                Ok(n) => Some(n),
+                Err(_) if mode == NginxMode::Auto => None,
+                Err(e) => return Err(e),
+            },
+        };
+        Ok(TlsStand {
+            client: testkit::tls::client_config(&ca.pem, None),
+            router,
+            nginx,
+        })
     }
 }
 
@@ -256,6 +371,10 @@ fn measure(
 ) -> anyhow::Result<Sample> {
     let spec = LoadSpec {
         targets: t.addrs.clone(),
+        conn: loadgen::ConnSpec {
+            tls: t.tls.clone(),
+            fresh: phase == HANDSHAKE_PHASE,
+        },
         request: request.clone(),
         concurrency,
         warmup: Duration::from_millis(cfg.warmup_ms),
@@ -298,10 +417,10 @@ fn rounds(
     samples: &mut Vec<Sample>,
     tick: &mut dyn FnMut(&str),
 ) -> anyhow::Result<()> {
-    let targets = stand.targets();
     let engines: Vec<u32> = stand.engines.iter().map(|e| e.child.pid()).collect();
     for rep in 0..cfg.repeats {
         for (i, (phase, c, req)) in cases.iter().enumerate() {
+            let targets = stand.targets(phase.starts_with("tls-"));
             for k in 0..targets.len() {
                 anyhow::ensure!(!fleet::interrupted(), "interrupted");
                 let t = &targets[(k + rep + i) % targets.len()];
@@ -343,6 +462,18 @@ pub fn run(
         })
         .collect();
     rounds(&stand, cfg, &cases, &mut samples, tick)?;
+    if stand.tls.is_some() {
+        // Every target at each concurrency over kept-alive connections,
+        // then a new connection per request (a whole TLS handshake each
+        // for the TLS targets, a TCP one for the others).
+        let mut cases: Vec<_> = cfg
+            .tls_concurrencies
+            .iter()
+            .map(|&c| (TLS_PHASE.to_string(), c, tiny.clone()))
+            .collect();
+        cases.push((HANDSHAKE_PHASE.to_string(), 1, tiny.clone()));
+        rounds(&stand, cfg, &cases, &mut samples, tick)?;
+    }
     drop(stand);
 
     if cfg.stream {
@@ -436,11 +567,15 @@ pub fn aggregate(samples: &[Sample]) -> Vec<Row> {
     let order = |t: &str| match t {
         "direct" => 0,
         "nginx" => 1,
+        "nginx-tls" => 3,
+        "prefix-router-tls" => 4,
         _ => 2,
     };
     let phase_order = |p: &str| match p {
         "tiny" => 0,
         "stream" => 2,
+        TLS_PHASE => 3,
+        HANDSHAKE_PHASE => 4,
         _ => 1,
     };
     rows.sort_by(|a, b| {

@@ -1,7 +1,7 @@
 //! The overhead targets, checked on the overhead bench's rows: the router
 //! against nginx in front of the same engines, in the same run.
 
-use crate::overhead::{OverheadResults, Row};
+use crate::overhead::{HANDSHAKE_PHASE, OverheadResults, Row, TLS_PHASE};
 use crate::table::Check;
 
 /// CPU per tiny request at 64 connections, at most this share of nginx's.
@@ -14,6 +14,8 @@ const LONG_CPU: f64 = 1.5;
 const LONG_ADDED_US: f64 = 100.0;
 /// Prompts this long or longer are long prompts for the targets.
 const LONG_KB: usize = 64;
+/// Concurrency of the TLS steady-state targets.
+const TLS_CONC: usize = 64;
 
 /// Checks the overhead targets on the rows present (a run without nginx, or
 /// without a phase, checks nothing for it).
@@ -51,6 +53,30 @@ pub fn check_overhead_targets(o: &OverheadResults, c: &mut Vec<Check>) {
             ),
             met: r.p99_us <= n.p99_us,
             margin: format!("{:+.0} us", r.p99_us - n.p99_us),
+        });
+    }
+    // TLS: the router terminating it against nginx terminating it, kept
+    // alive and with a whole handshake per request.
+    for (phase, conc) in [(TLS_PHASE, TLS_CONC), (HANDSHAKE_PHASE, 1)] {
+        let (Some(r), Some(n)) = (
+            o.row(phase, conc, "prefix-router-tls"),
+            o.row(phase, conc, "nginx-tls"),
+        ) else {
+            continue;
+        };
+        let case = format!(
+            "{phase}, {conc} connection{}",
+            if conc == 1 { "" } else { "s" }
+        );
+        c.push(cpu_check(&format!("{case}, TLS"), r, n, 1.0));
+        c.push(Check {
+            target: format!("{case}, TLS: added p50 <= nginx's"),
+            measured: format!(
+                "+{:.0} us vs nginx +{:.0} us",
+                r.added_p50_us, n.added_p50_us
+            ),
+            met: r.added_p50_us <= n.added_p50_us,
+            margin: format!("{:+.0} us", r.added_p50_us - n.added_p50_us),
         });
     }
     for &kb in o.cfg.sizes_kb.iter().filter(|&&kb| kb >= LONG_KB) {
@@ -259,6 +285,54 @@ mod tests {
             t.measured.ends_with("(rounds 1.06-1.39x)"),
             "{}",
             t.measured
+        );
+    }
+
+    /// The TLS rows are checked against nginx terminating TLS: here the
+    /// handshake costs less CPU but adds more latency.
+    #[test]
+    fn tls_rows_are_judged_against_nginx_with_tls() {
+        let o = results(vec![
+            row(
+                TLS_PHASE,
+                64,
+                "prefix-router-tls",
+                36_748.0,
+                7_705.0,
+                16.8,
+                543.0,
+            ),
+            row(TLS_PHASE, 64, "nginx-tls", 31_358.0, 5_747.0, 27.1, 850.0),
+            row(
+                HANDSHAKE_PHASE,
+                1,
+                "prefix-router-tls",
+                391.0,
+                7_844.0,
+                1_041.3,
+                1_991.0,
+            ),
+            row(
+                HANDSHAKE_PHASE,
+                1,
+                "nginx-tls",
+                157.0,
+                15_688.0,
+                2_600.6,
+                1_891.0,
+            ),
+        ]);
+        let v = verdicts(&o);
+        assert_eq!(v.len(), 4, "{v:?}");
+        let missed: Vec<&str> = v
+            .iter()
+            .filter(|(_, m)| !m)
+            .map(|(t, _)| t.as_str())
+            .collect();
+        assert_eq!(
+            missed,
+            ["tls-handshake, 1 connection, TLS: added p50 <= nginx's"],
+            "{v:?}"
         );
     }
 

@@ -272,6 +272,15 @@ struct BenchArgs {
     /// for many rounds of one case (`--concurrencies 64 --repeats 100`).
     #[arg(long)]
     tiny_only: bool,
+    /// Concurrencies of the TLS rows over kept-alive connections,
+    /// comma-separated [default: 1,64]; the handshake row runs at 1. 0: no
+    /// TLS rows.
+    #[arg(long, value_delimiter = ',')]
+    tls_concurrencies: Vec<usize>,
+    /// Overhead bench: the TLS rows only (prefix-router and nginx
+    /// terminating TLS beside the plain targets).
+    #[arg(long)]
+    tls_only: bool,
     /// Seconds per quality run.
     #[arg(long)]
     quality_duration: Option<f64>,
@@ -509,6 +518,20 @@ fn bench(
         ocfg.concurrencies = a.concurrencies.iter().map(|&c| c.max(1)).collect();
     }
     if a.tiny_only {
+        ocfg.sizes_kb.clear();
+        ocfg.stream = false;
+        ocfg.tls_concurrencies.clear();
+    }
+    if !a.tls_concurrencies.is_empty() {
+        ocfg.tls_concurrencies = a
+            .tls_concurrencies
+            .iter()
+            .copied()
+            .filter(|&c| c > 0)
+            .collect();
+    }
+    if a.tls_only {
+        ocfg.concurrencies.clear();
         ocfg.sizes_kb.clear();
         ocfg.stream = false;
     }

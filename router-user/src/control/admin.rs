@@ -248,7 +248,8 @@ fn replicas_json(router: &Router) -> serde_json::Value {
 
 /// Which backend a request body would go to now, and why, and the
 /// request's class and tenant (from the explain request's own head, as
-/// the traffic listener would read them). Changes nothing.
+/// the traffic listener would read them; with an admin token, the key
+/// from `x-api-key`). Changes nothing.
 fn explain(router: &Router, ep: Endpoint, head: &[u8], body: &[u8]) -> (u16, serde_json::Value) {
     let mut scratch = RouteScratch::default();
     let mut blocks = PromptBlocks::default();
@@ -259,7 +260,12 @@ fn explain(router: &Router, ep: Endpoint, head: &[u8], body: &[u8]) -> (u16, ser
             header: (!classes.header.is_empty())
                 .then(|| header_value(head, &classes.header))
                 .flatten(),
-            key: api_key(head),
+            // With an admin token, `Authorization` carries it: the caller's
+            // key is read from `x-api-key` only.
+            key: match cfg.admin.token_digest() {
+                Some(_) => header_value(head, "x-api-key"),
+                None => api_key(head),
+            },
         },
         endpoint: Some(ep),
         body,
