@@ -755,10 +755,19 @@ impl Config {
             .backends
             .iter()
             .any(|b| b.url().starts_with("https://"))
-            || self.discovery.any()
-            || !self.backend_tls.ca.is_empty();
+            || !self.backend_tls.ca.is_empty()
+            || !self.backend_tls.cert.is_empty();
         if https {
             loaded.client_tls = Some(tls::client_config(&self.backend_tls)?);
+        } else if self.discovery.any() {
+            // Discovery may find https:// backends; a host without CA
+            // certificates still serves the http:// ones.
+            match tls::client_config(&self.backend_tls) {
+                Ok(c) => loaded.client_tls = Some(c),
+                Err(e) => {
+                    tracing::warn!(error = %format!("{e:#}"), "no TLS for discovered https:// backends")
+                }
+            }
         }
         if !self.auth.keys_file.is_empty() {
             let (keys, entries) = keys::load(&self.auth.keys_file)?;

@@ -214,3 +214,45 @@ fn the_example_config_says_the_defaults_and_its_commented_tenant_is_valid() {
     assert_eq!((p.class, p.tenant), (Class::Priority, Some(0)));
     assert_eq!((on.weight(Some(0)), on.max_waiting_of(Some(0))), (4, 256));
 }
+
+/// A keys file's keys join their tenants: an existing tenant gets the key
+/// (and its class), a new tenant is made with the key's class; a key may
+/// not give an existing tenant another class.
+#[test]
+fn keys_from_the_keys_file_join_their_tenants() {
+    use crate::config::keys::KeyEntry;
+    let entry = |name: &str, key: &str, tenant: &str, class: Option<&str>| KeyEntry {
+        name: name.into(),
+        sha256: digest(key),
+        tenant: Some(tenant.into()),
+        class: class.map(str::to_owned),
+    };
+    let merged = sample()
+        .with_keys(&[
+            entry("a", "sk-outreach-2", "outreach", None),
+            entry("b", "sk-nightly", "nightly", Some("flex")),
+        ])
+        .unwrap();
+    let by_key = |k: &'static [u8]| {
+        let p = merged.place(
+            &Caller {
+                header: None,
+                key: Some(k),
+            },
+            None,
+            b"",
+        );
+        (p.class, merged.tenant_name(p.tenant).to_owned())
+    };
+    assert_eq!(by_key(b"sk-outreach-2"), (Class::Flex, "outreach".into()));
+    assert_eq!(by_key(b"sk-nightly"), (Class::Flex, "nightly".into()));
+    assert_eq!(by_key(b"sk-support"), (Class::Priority, "support".into()));
+    let err = sample()
+        .with_keys(&[entry("c", "sk-x", "support", Some("flex"))])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("support") && !err.contains(&digest("sk-x")),
+        "{err}"
+    );
+}
