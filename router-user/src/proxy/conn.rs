@@ -18,6 +18,10 @@ use crate::proxy::request;
 use crate::proxy::stream::Stream;
 use crate::proxy::worker::{RETURN_ABOVE, Worker};
 
+/// How long a TLS connection's close_notify may take to leave; a client
+/// that reads nothing more does not hold the task longer.
+const CLOSE_NOTIFY_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Serves a client connection until it closes, errs or idles out.
 /// On a `[tls]` listener the handshake comes first, within
 /// `timeouts.client_header_ms`; a client that fails it (garbage, a
@@ -79,6 +83,12 @@ pub async fn serve(worker: Rc<Worker>, tcp: TcpStream, peer: SocketAddr) {
                 break;
             }
         }
+    }
+    if c.stream.is_tls() && !c.lost_buffers {
+        // TLS says a connection ended on purpose with close_notify: a body
+        // delimited by the close (HTTP/1.0) is then whole, not cut.
+        use monoio::io::AsyncWriteRent;
+        let _ = monoio::time::timeout(CLOSE_NOTIFY_WAIT, c.stream.shutdown()).await;
     }
 }
 
