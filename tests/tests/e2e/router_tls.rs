@@ -593,3 +593,25 @@ fn admin_token_guards_the_admin_paths_and_an_open_admin_port_is_refused() {
     .expect("an unauthenticated admin listener on 0.0.0.0 started");
     assert!(err.contains("not a loopback address"), "{err}");
 }
+
+#[test]
+fn tls_idle_connections_cost_tens_of_kilobytes_each() {
+    let d = dir("memory");
+    let ca = TestCa::new("memory CA");
+    let server = ca.issue(&["localhost"], Validity::Now, false);
+    let (_e, r) = tls_router(&d, &server, "");
+    let cfg = tls::client_config(&ca.pem, None);
+    // Warm: one request, so every worker's lazy state exists.
+    assert_eq!(chat(r.addr, &cfg, None).expect("warm"), 200);
+    let before = r.rss_kib();
+    const N: usize = 400;
+    let held: Vec<_> = (0..N)
+        .map(|_| tls::stream(r.addr, &cfg, "localhost").expect("handshake"))
+        .collect();
+    // The server's side of the last handshakes settles.
+    std::thread::sleep(Duration::from_millis(300));
+    let per_conn = (r.rss_kib().saturating_sub(before)) as f64 / N as f64;
+    eprintln!("{N} idle TLS connections: {per_conn:.1} KiB each");
+    assert!(per_conn < 64.0, "{per_conn:.1} KiB per idle TLS connection");
+    drop(held);
+}
