@@ -220,7 +220,7 @@ pub fn run(args: &Args, phase_len: Duration) -> anyhow::Result<()> {
                 for c in 0..args.clients {
                     let seed = args.seed * 1000 + c as u64;
                     let (stop, results) = (&stop, &results);
-                    phase.spawn(move || client(addr, seed, stop, results));
+                    phase.spawn(move || client(addr, seed, stop, results, None));
                 }
                 if hostile {
                     for i in 0..args.slow_readers {

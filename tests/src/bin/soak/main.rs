@@ -7,6 +7,10 @@
 //! exit status is 1. Run it with the binaries of one profile, e.g.
 //! `cargo run --release -p router-tests --bin soak -- --minutes 3`.
 //!
+//! With `--tls` the clients speak TLS with an API key while the router's
+//! certificate and the key are rotated through the files it watches; a
+//! request refused or cut by a rotation is a loss like any other.
+//!
 //! With `--hostile` it runs the hostile-clients comparison instead (see
 //! `hostile.rs`): the same normal traffic first alone, then beside slow
 //! readers, slowloris clients, oversized uploads, huge chats to a router in
@@ -92,6 +96,53 @@ struct Args {
     /// `limits.max_in_flight_per_backend` of the router (0: no limit).
     #[arg(long, default_value_t = 0)]
     max_in_flight: u32,
+    /// Clients speak TLS to the router and send an API key; every
+    /// `--rotate-every` seconds the router's certificate is replaced and
+    /// the key rotated (the new key added, the clients moved to it, the
+    /// old one removed), all by rewriting files the router watches.
+    #[arg(long)]
+    tls: bool,
+    /// Seconds between rotations with `--tls`.
+    #[arg(long, default_value_t = 10.0)]
+    rotate_every: f64,
+}
+
+/// The TLS side of a `--tls` soak: the client configuration, and the key
+/// the clients send now.
+struct TlsClients {
+    cfg: Arc<rustls::ClientConfig>,
+    key: Mutex<String>,
+}
+
+/// Files the router watches, rewritten by the rotator.
+struct TlsFiles {
+    ca: testkit::tls::TestCa,
+    dir: std::path::PathBuf,
+    keys: std::path::PathBuf,
+}
+
+impl TlsFiles {
+    fn keys(&self, keys: &[&str]) {
+        use sha2::Digest;
+        let text: String = keys
+            .iter()
+            .map(|k| {
+                let d: String = sha2::Sha256::digest(k.as_bytes())
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect();
+                format!("[[keys]]\nname = \"{k}\"\nsha256 = \"{d}\"\n\n")
+            })
+            .collect();
+        testkit::tls::write_atomically(&self.keys, &text);
+    }
+
+    /// A new certificate (a new key pair) for `localhost`, by rename.
+    fn certificate(&self) -> (std::path::PathBuf, std::path::PathBuf) {
+        self.ca
+            .issue(&["localhost"], testkit::tls::Validity::Now, false)
+            .write(&self.dir, "server")
+    }
 }
 
 /// Bound on any single request; a request that takes longer is a hang.
@@ -153,12 +204,33 @@ fn main() -> anyhow::Result<()> {
         .iter()
         .map(|p| format!("http://127.0.0.1:{p}"))
         .collect();
+    let mut config =
+        "[health]\ninterval_ms = 200\ntimeout_ms = 500\nrise = 2\nfall = 2\npassive_fall = 3\n"
+            .to_string();
+    let tls_files = args.tls.then(|| {
+        let dir = std::env::temp_dir().join(format!("soak-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("soak TLS dir");
+        let files = TlsFiles {
+            ca: testkit::tls::TestCa::new("soak CA"),
+            keys: dir.join("keys.toml"),
+            dir,
+        };
+        files.keys(&["sk-soak-0"]);
+        let (cert, key) = files.certificate();
+        config = format!(
+            "watch_files_ms = 100\n{config}[tls]\ncert = \"{}\"\nkey = \"{}\"\n[auth]\nkeys_file = \"{}\"\n",
+            cert.display(),
+            key.display(),
+            files.keys.display()
+        );
+        files
+    });
+    let tls_clients = tls_files.as_ref().map(|f| TlsClients {
+        cfg: testkit::tls::client_config(&f.ca.pem, None),
+        key: Mutex::new("sk-soak-0".into()),
+    });
     // Debug headers: outcomes are attributed to the engine that answered.
-    let router = Router::spawn(
-        &urls,
-        &["--debug-headers"],
-        "[health]\ninterval_ms = 200\ntimeout_ms = 500\nrise = 2\nfall = 2\npassive_fall = 3\n",
-    );
+    let router = Router::spawn(&urls, &["--debug-headers"], &config);
     let pid = router.child.pid();
     println!(
         "soak: {:.0} s, {} engines, {} clients, a kill every {} s ({} s down); router pid {pid} on {}",
@@ -176,12 +248,41 @@ fn main() -> anyhow::Result<()> {
     let results: Arc<Mutex<Vec<Done>>> = Arc::default();
     let kills: Arc<Mutex<Vec<Kill>>> = Arc::default();
 
+    let rotations = std::sync::atomic::AtomicU64::new(0);
     let samples = std::thread::scope(|scope| {
         for c in 0..args.clients {
             let (stop, results) = (stop.clone(), results.clone());
             let addr = router.addr;
             let seed = args.seed * 1000 + c as u64;
-            scope.spawn(move || client(addr, seed, &stop, &results));
+            let tls = tls_clients.as_ref();
+            scope.spawn(move || client(addr, seed, &stop, &results, tls));
+        }
+        // The rotator: a new key and a new certificate, in turn.
+        if let (Some(files), Some(clients)) = (&tls_files, &tls_clients) {
+            let (stop, rotations) = (stop.clone(), &rotations);
+            let every = Duration::from_secs_f64(args.rotate_every);
+            scope.spawn(move || {
+                // The router reads a changed file within 100 ms; a second
+                // leaves room for a loaded machine.
+                let settle = Duration::from_secs(1);
+                for n in 1.. {
+                    if sleep_unless(&stop, every) {
+                        return;
+                    }
+                    let (old, new) = (format!("sk-soak-{}", n - 1), format!("sk-soak-{n}"));
+                    files.keys(&[&old, &new]);
+                    if sleep_unless(&stop, settle) {
+                        return;
+                    }
+                    *clients.key.lock().expect("key") = new.clone();
+                    if sleep_unless(&stop, settle) {
+                        return;
+                    }
+                    files.keys(&[&new]);
+                    files.certificate();
+                    rotations.fetch_add(1, Relaxed);
+                }
+            });
         }
         // The killer: one engine at a time, in turn.
         let (stop_k, kills_k, engines) = (stop.clone(), kills.clone(), &engines);
@@ -226,8 +327,9 @@ fn main() -> anyhow::Result<()> {
             let t = started.elapsed().as_secs_f64();
             let done = results.lock().expect("results").len();
             println!(
-                "soak: t={t:>6.1}s rss={rss} KiB requests={done} kills={}",
-                kills.lock().expect("kills").len()
+                "soak: t={t:>6.1}s rss={rss} KiB requests={done} kills={} rotations={}",
+                kills.lock().expect("kills").len(),
+                rotations.load(Relaxed)
             );
             samples.push(rss);
         }
@@ -287,8 +389,9 @@ fn main() -> anyhow::Result<()> {
     let rss_max = samples.iter().copied().max().unwrap_or(0);
     println!(
         "soak: done: requests={total} ok={ok} lost_on_killed_engine={on_killed} lost_other={other} kills={} \
-         rss_first_kib={rss_first} rss_max_kib={rss_max} rss_end_kib={rss_end}",
-        kills.len()
+         rotations={} rss_first_kib={rss_first} rss_max_kib={rss_max} rss_end_kib={rss_end}",
+        kills.len(),
+        rotations.load(Relaxed)
     );
     drop(router);
     drop(engines);
@@ -312,7 +415,13 @@ fn sleep_unless(stop: &AtomicBool, d: Duration) -> bool {
 
 /// One client: requests one after another until `stop`, mixing shared system
 /// prompts (prefix reuse), streaming and not, short and longer outputs.
-fn client(addr: SocketAddr, seed: u64, stop: &AtomicBool, results: &Mutex<Vec<Done>>) {
+fn client(
+    addr: SocketAddr,
+    seed: u64,
+    stop: &AtomicBool,
+    results: &Mutex<Vec<Done>>,
+    tls: Option<&TlsClients>,
+) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     while !stop.load(Relaxed) {
         let system = format!(
@@ -330,7 +439,7 @@ fn client(addr: SocketAddr, seed: u64, stop: &AtomicBool, results: &Mutex<Vec<Do
         })
         .to_string();
         let start = Instant::now();
-        let outcome = one_request(addr, body.as_bytes());
+        let outcome = one_request(addr, body.as_bytes(), tls);
         results.lock().expect("results").push(Done {
             start,
             end: Instant::now(),
@@ -339,20 +448,38 @@ fn client(addr: SocketAddr, seed: u64, stop: &AtomicBool, results: &Mutex<Vec<Do
     }
 }
 
-/// Sends one request (`connection: close`) and reads its answer to the end.
-fn one_request(addr: SocketAddr, body: &[u8]) -> Outcome {
-    let mut s = match TcpStream::connect_timeout(&addr, IO_TIMEOUT) {
+/// A connection to the router: plain, or TLS.
+trait Conn: Read + Write {}
+impl<T: Read + Write> Conn for T {}
+
+/// Sends one request (`connection: close`) and reads its answer to the
+/// end; over TLS with the clients' current key when `tls` is given.
+fn one_request(addr: SocketAddr, body: &[u8], tls: Option<&TlsClients>) -> Outcome {
+    let tcp = match TcpStream::connect_timeout(&addr, IO_TIMEOUT) {
         Ok(s) => s,
         Err(e) => return Outcome::NoAnswer(format!("connect: {e}")),
     };
-    let _ = s.set_read_timeout(Some(IO_TIMEOUT));
+    let _ = tcp.set_read_timeout(Some(IO_TIMEOUT));
+    let _ = tcp.set_write_timeout(Some(IO_TIMEOUT));
+    let mut auth = String::new();
+    let mut s: Box<dyn Conn> = match tls {
+        None => Box::new(tcp),
+        Some(t) => {
+            auth = format!("authorization: Bearer {}\r\n", t.key.lock().expect("key"));
+            let name = rustls::pki_types::ServerName::try_from("localhost").expect("name");
+            match rustls::ClientConnection::new(t.cfg.clone(), name) {
+                Ok(c) => Box::new(rustls::StreamOwned::new(c, tcp)),
+                Err(e) => return Outcome::NoAnswer(format!("tls: {e}")),
+            }
+        }
+    };
     let mut req = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: soak\r\nconnection: close\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: soak\r\nconnection: close\r\n{auth}content-type: application/json\r\ncontent-length: {}\r\n\r\n",
         body.len()
     )
     .into_bytes();
     req.extend_from_slice(body);
-    if let Err(e) = s.write_all(&req) {
+    if let Err(e) = s.write_all(&req).and_then(|()| s.flush()) {
         return Outcome::NoAnswer(format!("write: {e}"));
     }
     let mut buf = Vec::new();
