@@ -135,7 +135,8 @@ pub fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
 }
 
 /// [`request_chunks`] on a connection already made (a TLS stream over it,
-/// say), with `host` as the Host header.
+/// say), with `host` as the Host header; a `connection` header among
+/// `headers` replaces the usual `connection: close`.
 pub fn request_on<S: Read + Write>(
     s: &mut S,
     host: &str,
@@ -144,7 +145,16 @@ pub fn request_on<S: Read + Write>(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> std::io::Result<(Response, Vec<Chunk>)> {
-    let mut req = format!("{method} {path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n");
+    // `connection: close` unless the caller gives its own.
+    let close = if headers
+        .iter()
+        .any(|(k, _)| k.eq_ignore_ascii_case("connection"))
+    {
+        ""
+    } else {
+        "connection: close\r\n"
+    };
+    let mut req = format!("{method} {path} HTTP/1.1\r\nhost: {host}\r\n{close}");
     for (k, v) in headers {
         req.push_str(&format!("{k}: {v}\r\n"));
     }

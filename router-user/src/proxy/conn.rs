@@ -13,7 +13,7 @@ use crate::config::{Config, ms};
 use crate::error::{Kind, RouterError, Shape, Side};
 use crate::proxy::budget;
 use crate::proxy::client::{ClientConn, Request, linger, read_request, shrink};
-use crate::proxy::io::write_all;
+use crate::proxy::io::{Read, read_more, write_all};
 use crate::proxy::request;
 use crate::proxy::stream::Stream;
 use crate::proxy::worker::{RETURN_ABOVE, Worker};
@@ -48,6 +48,18 @@ pub async fn serve(worker: Rc<Worker>, tcp: TcpStream, peer: SocketAddr) {
     };
     let mut c = ClientConn::new(stream, peer);
     loop {
+        // A kept-alive connection may idle across a reload: the request is
+        // judged (its key above all) by the configuration of when it came.
+        if c.buf.is_empty() {
+            let idle = ms(worker.router.config.load().timeouts.client_idle_ms);
+            if !matches!(
+                read_more(&mut c.stream, &mut c.buf, idle).await,
+                Read::Data(_)
+            ) {
+                // Closed, failed or idle between requests: nothing to answer.
+                break;
+            }
+        }
         let cfg = worker.router.config.load_full();
         let result = one_request(&worker, &cfg, &mut c).await;
         if c.buf.capacity().max(c.body.capacity()) > RETURN_ABOVE {

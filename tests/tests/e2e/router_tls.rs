@@ -302,6 +302,28 @@ fn tls_keys_and_certificates_rotate_under_traffic_without_a_lost_request() {
         })
         .collect();
     let probe = tls::client_config(&ca.pem, None);
+    // A kept-alive connection opened before the rotations.
+    let mut kept = tls::stream(r.addr, &cfg, "localhost").expect("kept-alive connection");
+    let kept_chat = |s: &mut _, key: &str| {
+        let auth = format!("Bearer {key}");
+        testkit::http::request_on(
+            s,
+            "localhost",
+            "POST",
+            "/v1/chat/completions",
+            &[
+                ("connection", "keep-alive"),
+                ("content-type", "application/json"),
+                ("authorization", &auth),
+            ],
+            &chat_body(),
+        )
+        .map(|(r, _)| r.status)
+    };
+    assert_eq!(
+        kept_chat(&mut kept, "sk-old").expect("kept-alive, before"),
+        200
+    );
     // The new key joins; the clients move to it; the old key leaves.
     keys_file(
         &keys,
@@ -327,6 +349,12 @@ fn tls_keys_and_certificates_rotate_under_traffic_without_a_lost_request() {
     });
     std::thread::sleep(Duration::from_millis(300));
     stop.store(true, Relaxed);
+    // The connection opened before both rotations still serves, in the
+    // session it made with the old certificate.
+    assert_eq!(
+        kept_chat(&mut kept, "sk-new").expect("kept-alive, after"),
+        200
+    );
     let errors: Vec<String> = clients
         .into_iter()
         .flat_map(|c| c.join().expect("client"))
