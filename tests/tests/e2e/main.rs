@@ -31,4 +31,5 @@ mod router_replicas;
 mod router_routing;
 mod router_smuggling;
 mod router_tls;
+mod router_tls_rotation;
 mod workload_chat;
