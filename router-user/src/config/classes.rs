@@ -44,8 +44,36 @@ pub struct Classes {
     pub max_waiting: u32,
     /// The tenants, in the file's order (a tenant's number is its place).
     pub tenants: Vec<Tenant>,
+    /// The `priority` the router adds to the body of each inference request
+    /// by its class, for engines that schedule by it (vLLM's
+    /// `--scheduling-policy priority`: lower runs first); `None`: off.
+    /// Decision 0057.
+    pub engine_priority: Option<EnginePriority>,
     /// Who each key and user is, made from `tenants`.
     lookup: Arc<Lookup>,
+}
+
+/// `classes.engine_priority`: the engine `priority` of each class. A
+/// class whose value is 0 (vLLM's default) is sent unchanged, so engines
+/// that do not schedule by priority (vLLM refuses a nonzero one with 400)
+/// still take its requests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EnginePriority {
+    pub priority: i32,
+    pub default: i32,
+    pub flex: i32,
+}
+
+impl EnginePriority {
+    /// The value requests of `class` are given (0: none is added).
+    pub fn of(&self, class: Class) -> i32 {
+        match class {
+            Class::Priority => self.priority,
+            Class::Default => self.default,
+            Class::Flex => self.flex,
+        }
+    }
 }
 
 /// `[classes]` as written in the file.
@@ -57,6 +85,7 @@ struct ClassesFile {
     header: String,
     max_waiting: u32,
     tenants: Vec<Tenant>,
+    engine_priority: Option<EnginePriority>,
 }
 
 impl Default for ClassesFile {
@@ -67,6 +96,7 @@ impl Default for ClassesFile {
             header: String::new(),
             max_waiting: 1024,
             tenants: Vec::new(),
+            engine_priority: None,
         }
     }
 }
@@ -206,6 +236,7 @@ impl TryFrom<ClassesFile> for Classes {
             header: f.header.to_ascii_lowercase(),
             max_waiting: f.max_waiting,
             tenants: f.tenants,
+            engine_priority: f.engine_priority,
             lookup: Arc::new(lookup),
         })
     }
@@ -261,6 +292,7 @@ impl Classes {
             header: self.header.clone(),
             max_waiting: self.max_waiting,
             tenants,
+            engine_priority: self.engine_priority,
         })
     }
 }

@@ -39,6 +39,8 @@ pub trait Sink {
     fn push_text(&mut self, text: &[u8]);
     /// The body's `service_tier`.
     fn set_tier(&mut self, tier: &[u8]);
+    /// The body has a top-level `priority`.
+    fn set_priority_given(&mut self);
     /// The fields read besides the prompt.
     fn set_fields(&mut self, model: &[u8], salt: &[u8], previous: &[u8], store: bool);
 }
@@ -63,6 +65,9 @@ pub fn messages(body: &[u8], canon: &mut impl Sink) -> Result<Prompt, RouterErro
     canon.set_fields(model.as_bytes(), b"", b"", false);
     if let Some(t) = &m.service_tier {
         canon.set_tier(t.as_bytes());
+    }
+    if m.priority {
+        canon.set_priority_given();
     }
     let user = m
         .metadata
@@ -103,6 +108,9 @@ pub fn responses(body: &[u8], canon: &mut impl Sink) -> Result<Prompt, RouterErr
     );
     if let Some(t) = &r.service_tier {
         canon.set_tier(t.as_bytes());
+    }
+    if r.priority {
+        canon.set_priority_given();
     }
     let user = r
         .safety_identifier
@@ -162,6 +170,13 @@ struct MessagesBody<'a> {
     metadata: Option<Metadata<'a>>,
     #[serde(borrow, default)]
     service_tier: Option<Cow<'a, str>>,
+    #[serde(default, deserialize_with = "present")]
+    priority: bool,
+}
+
+/// True for a field that is there, whatever its value (`null` too).
+fn present<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    de::IgnoredAny::deserialize(d).map(|_| true)
 }
 
 #[derive(Deserialize)]
@@ -245,6 +260,8 @@ struct ResponsesBody<'a> {
     safety_identifier: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     service_tier: Option<Cow<'a, str>>,
+    #[serde(default, deserialize_with = "present")]
+    priority: bool,
 }
 
 /// A Responses input item: a message (`type` absent or `message`), a

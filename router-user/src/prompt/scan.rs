@@ -58,6 +58,8 @@ pub struct Canonical {
     store: bool,
     /// The body's `service_tier` (empty: none).
     tier: Vec<u8>,
+    /// The body has a top-level `priority` (whatever its value).
+    priority: bool,
 }
 
 impl Default for Canonical {
@@ -77,6 +79,7 @@ impl Default for Canonical {
             previous_response: Vec::new(),
             store: false,
             tier: Vec::new(),
+            priority: false,
         }
     }
 }
@@ -120,6 +123,13 @@ impl Canonical {
         self.previous_response.clear();
         self.store = false;
         self.tier.clear();
+        self.priority = false;
+    }
+
+    /// Whether the body has a top-level `priority` (the client's word to
+    /// the engine, which `classes.engine_priority` leaves as it is).
+    pub fn priority_given(&self) -> bool {
+        self.priority
     }
 
     /// The body's `service_tier` (empty: none); `Class::of_tier` reads it.
@@ -281,6 +291,10 @@ impl crate::prompt::apis::Sink for Canonical {
         self.tier.extend_from_slice(&tier[..tier.len().min(32)]);
     }
 
+    fn set_priority_given(&mut self) {
+        self.priority = true;
+    }
+
     fn set_fields(&mut self, model: &[u8], salt: &[u8], previous: &[u8], store: bool) {
         self.model.extend_from_slice(model);
         self.salt.extend_from_slice(salt);
@@ -318,6 +332,7 @@ pub fn scan(endpoint: Endpoint, body: &[u8], canon: &mut Canonical) -> Result<Pr
     if let Some(t) = field(fields.service_tier) {
         crate::prompt::apis::Sink::set_tier(canon, t);
     }
+    canon.priority = fields.priority;
     let user = field(fields.user).map(xxh3_64);
     match endpoint {
         Endpoint::Chat if !fields.saw_prompt => Err(RouterError::new(
@@ -399,6 +414,8 @@ struct Fields {
     cache_salt: Option<Str>,
     service_tier: Option<Str>,
     lora_path: Option<Str>,
+    /// A `priority` is there.
+    priority: bool,
     /// Decoded bytes of the fields above that had escapes.
     decoded: Vec<u8>,
     /// The endpoint's prompt was read into the canonical form.
@@ -647,6 +664,10 @@ impl<'a> Scanner<'a, '_> {
                     if endpoint == Endpoint::Generate && present && !f.saw_prompt {
                         f.input_ids = Some(at);
                     }
+                }
+                Key::Priority => {
+                    f.priority = true;
+                    s.skip()?;
                 }
                 Key::Other => s.skip()?,
             }
@@ -1329,6 +1350,7 @@ enum Key {
     CacheSalt,
     LoraPath,
     ServiceTier,
+    Priority,
     Other,
 }
 
@@ -1353,6 +1375,7 @@ fn top_key(name: &[u8]) -> Key {
         b"cache_salt" => Key::CacheSalt,
         b"lora_path" => Key::LoraPath,
         b"service_tier" => Key::ServiceTier,
+        b"priority" => Key::Priority,
         _ => Key::Other,
     }
 }

@@ -71,6 +71,9 @@ pub struct ClientConn {
     pub body: Vec<u8>,
     /// What is sent to the backend: the head, and the body when small.
     pub fwd: Vec<u8>,
+    /// Bytes of a large body already in `fwd` behind the head (those up to
+    /// an added field, `priority_field`): the rest is sent from its buffer.
+    pub fwd_body_from: usize,
     /// The response head sent to the client.
     pub out: Vec<u8>,
     /// Response bytes read from the backend.
@@ -105,6 +108,7 @@ impl ClientConn {
             consumed: 0,
             body: Vec::new(),
             fwd: Vec::with_capacity(1024),
+            fwd_body_from: 0,
             out: Vec::with_capacity(1024),
             rbuf: Vec::new(),
             blocks: PromptBlocks::default(),

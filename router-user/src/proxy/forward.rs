@@ -23,6 +23,7 @@ use crate::policy::select::Decision;
 use crate::proxy::client::{Body, ClientConn, Request};
 use crate::proxy::io::{Read, read_more, write_all, write_head_and_body, write_range};
 use crate::proxy::pool::{BackendConn, Pool};
+use crate::proxy::priority_field::Insert;
 use crate::proxy::stream::Stream;
 use crate::replica::Replica;
 
@@ -174,27 +175,46 @@ fn set_authorization(cfg: &Config, c: &mut ClientConn, backend: &str) {
 }
 
 /// Completes `c.fwd` (the forwarded head) with the body's length and, when
-/// small, the body itself.
-pub fn finish_request_head(c: &mut ClientConn, head: &RequestHead, body: Body) {
+/// small, the body itself, with `insert`'s field in place when given. A
+/// large body's bytes up to the field go behind the head with it; the rest
+/// is sent from where it lies (`c.fwd_body_from`).
+pub fn finish_request_head(
+    c: &mut ClientConn,
+    head: &RequestHead,
+    body: Body,
+    insert: Option<&Insert>,
+) {
     let len = c.body_bytes(body).len();
+    let insert = insert.filter(|_| head.body != BodyFraming::None);
+    let added = insert.map_or(0, |i| i.bytes().len());
     if head.body != BodyFraming::None {
         c.fwd.extend_from_slice(b"content-length: ");
         c.fwd
-            .extend_from_slice(itoa::Buffer::new().format(len).as_bytes());
+            .extend_from_slice(itoa::Buffer::new().format(len + added).as_bytes());
         c.fwd.extend_from_slice(b"\r\n");
     }
     c.fwd.extend_from_slice(b"\r\n");
-    if len <= COALESCE_BODY {
-        let ClientConn {
-            fwd,
-            buf,
-            body: decoded,
-            ..
-        } = c;
-        match body {
-            Body::InBuf { start, end } => fwd.extend_from_slice(&buf[start..end]),
-            Body::Decoded => fwd.extend_from_slice(decoded),
+    let ClientConn {
+        fwd,
+        buf,
+        body: decoded,
+        fwd_body_from,
+        ..
+    } = c;
+    let bytes = match body {
+        Body::InBuf { start, end } => &buf[start..end],
+        Body::Decoded => &decoded[..],
+    };
+    *fwd_body_from = 0;
+    match insert {
+        Some(i) if len <= COALESCE_BODY => i.write(bytes, fwd),
+        Some(i) => {
+            fwd.extend_from_slice(&bytes[..i.at()]);
+            fwd.extend_from_slice(i.bytes());
+            *fwd_body_from = i.at();
         }
+        None if len <= COALESCE_BODY => fwd.extend_from_slice(bytes),
+        None => {}
     }
 }
 
@@ -388,9 +408,11 @@ async fn exchange(
 ) -> Result<response::ResponseHead, Exchange> {
     let timeout = ms(cfg.timeouts.backend_idle_ms);
     let body_len = c.body_bytes(body).len();
-    // A small body is already behind the head in `c.fwd`.
+    // A small body is already behind the head in `c.fwd`, and a large
+    // one's first `fwd_body_from` bytes.
+    let skip = c.fwd_body_from;
     let separate_body = if body_len > COALESCE_BODY {
-        body_len
+        body_len - skip
     } else {
         0
     };
@@ -403,10 +425,10 @@ async fn exchange(
             ..
         } = c;
         let (from, start, end) = match body {
-            Body::InBuf { start, end } => (buf, start, end),
+            Body::InBuf { start, end } => (buf, start + skip, end),
             Body::Decoded => {
                 let end = decoded.len();
-                (decoded, 0, end)
+                (decoded, skip, end)
             }
         };
         write_head_and_body(&mut bc.stream, fwd, from, start, end, timeout).await

@@ -9,6 +9,7 @@ pub mod forward;
 pub mod io;
 pub mod listener;
 pub mod pool;
+pub mod priority_field;
 pub mod request;
 pub mod stream;
 pub mod worker;

@@ -23,6 +23,7 @@ use crate::prompt::extract::Class;
 use crate::proxy::api;
 use crate::proxy::client::{Body, ClientConn, Request};
 use crate::proxy::forward::{self, Attempt, Failure};
+use crate::proxy::priority_field::Insert;
 use crate::proxy::io::write_all;
 use crate::proxy::worker::Worker;
 use crate::shared::{RouteQuery, Routed, Scanned, TokensFrom};
@@ -178,7 +179,8 @@ pub async fn handle(
             });
         }
         if !head_finished {
-            forward::finish_request_head(c, req.head, req.body);
+            let insert = engine_priority(cfg, worker, c, req, class);
+            forward::finish_request_head(c, req.head, req.body, insert.as_ref());
             head_finished = true;
         }
         tries.new_round();
@@ -254,6 +256,34 @@ pub async fn handle(
             }
         }
     }
+}
+
+/// The `priority` field `classes.engine_priority` adds to the request's
+/// body for its class: on the inference APIs, when the class's value is
+/// not 0 and the client sent none (theirs stands).
+fn engine_priority(
+    cfg: &Config,
+    worker: &Worker,
+    c: &ClientConn,
+    req: Request<'_>,
+    class: Class,
+) -> Option<Insert> {
+    use crate::prompt::extract::Endpoint;
+    let value = cfg.classes.engine_priority?.of(class);
+    let inference = matches!(
+        api::endpoint(req.head, &c.fwd)?,
+        Endpoint::Chat | Endpoint::Completions | Endpoint::Messages | Endpoint::Responses
+    );
+    if value == 0 || !inference || worker.scratch.borrow().canon().priority_given() {
+        return None;
+    }
+    let insert = Insert::priority(c.body_bytes(req.body), value);
+    if insert.is_none() {
+        // The scan read it as an object: only a long run of whitespace
+        // before its brace gets here.
+        tracing::debug!("the body opens too late to add its engine priority; sent as it is");
+    }
+    insert
 }
 
 /// The retry state of one request, kept across re-routing after slot

@@ -43,6 +43,9 @@ pub struct Job {
     /// vLLM's `cache_salt`: only requests with the same salt share cached
     /// blocks (it is folded into the first block's hash).
     pub cache_salt: Option<String>,
+    /// vLLM's `priority` (lower first; 0 when absent): orders the waiting
+    /// queue under `--scheduling-policy priority`, refused otherwise.
+    pub priority: i64,
 }
 
 /// A request error, answered in OpenAI's error shape.
@@ -172,6 +175,8 @@ struct OpenAiRequest<'a> {
     cache_salt: Option<String>,
     #[serde(default)]
     tools: Option<Vec<ChatTool>>,
+    #[serde(default)]
+    priority: Option<i64>,
 }
 
 #[derive(Deserialize)]
@@ -394,6 +399,7 @@ pub fn parse(
             stream,
             include_usage: false,
             cache_salt: None,
+            priority: 0,
         });
     }
     let r: OpenAiRequest = serde_json::from_slice(body).map_err(invalid)?;
@@ -423,6 +429,7 @@ pub fn parse(
         stream,
         include_usage,
         cache_salt: r.cache_salt,
+        priority: r.priority.unwrap_or(0),
     })
 }
 

@@ -61,9 +61,15 @@ pub struct EngineArgs {
     /// Extra step time per sequence in the batch, in ms.
     #[arg(long, default_value_t = 0.1)]
     pub decode_step_per_seq_ms: f64,
-    /// Maximum running sequences; later requests wait in a FIFO queue.
+    /// Maximum running sequences; later requests wait in a queue ordered
+    /// by --scheduling-policy.
     #[arg(long, default_value_t = 64)]
     pub max_num_seqs: usize,
+    /// Order of the waiting queue, as vLLM's: `fcfs` (arrival; a request
+    /// with a nonzero `priority` is refused with 400) or `priority` (the
+    /// body's integer `priority`, lower first, then arrival).
+    #[arg(long, value_enum, default_value_t = SchedulingPolicy::Fcfs)]
+    pub scheduling_policy: SchedulingPolicy,
     /// Token budget of one step (decodes count one each; the rest goes to
     /// prefill chunks), as vLLM's chunked prefill.
     #[arg(long, default_value_t = 8192)]
@@ -134,6 +140,16 @@ pub struct EngineArgs {
     /// the 4-byte tokenizer and ChatML [default: off].
     #[arg(long)]
     pub tokenizer_dir: Option<std::path::PathBuf>,
+}
+
+/// How the waiting queue is ordered (vLLM's `--scheduling-policy`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SchedulingPolicy {
+    /// First come, first served.
+    #[default]
+    Fcfs,
+    /// By the request's `priority` (lower first), then arrival.
+    Priority,
 }
 
 impl EngineArgs {

@@ -7,7 +7,7 @@
 //! connection tasks through one unbounded channel per request.
 
 use super::block_hash::{BLOCK_SIZE, PromptBlocks};
-use super::config::EngineArgs;
+use super::config::{EngineArgs, SchedulingPolicy};
 use super::faults::{Dice, Faults};
 use super::kv_cache::KvCache;
 use super::metrics::{Gauges, Metrics};
@@ -36,6 +36,7 @@ struct Timing {
     prefill_tps: f64,
     max_num_seqs: usize,
     max_batched: usize,
+    policy: SchedulingPolicy,
 }
 
 struct Seq {
@@ -46,6 +47,8 @@ struct Seq {
     /// Its `cache_salt`, the extra key of its first block's event.
     salt: Option<Vec<u8>>,
     max_tokens: u32,
+    /// Its `priority` (lower first under `SchedulingPolicy::Priority`).
+    priority: i64,
     arrival: Instant,
     tx: UnboundedSender<Progress>,
     blocks: Vec<u32>,
@@ -75,6 +78,8 @@ pub struct Engine {
     pub dice: Dice,
     timing: Timing,
     seqs: HashMap<u64, Seq>,
+    /// In the order they are admitted: arrival, or (priority, arrival)
+    /// under `SchedulingPolicy::Priority`.
     waiting: VecDeque<u64>,
     running: Vec<u64>,
     next_id: u64,
@@ -100,6 +105,7 @@ impl Engine {
                 prefill_tps: args.prefill_tps,
                 max_num_seqs: args.max_num_seqs.max(1),
                 max_batched: args.max_num_batched_tokens.max(1),
+                policy: args.scheduling_policy,
             },
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
@@ -120,17 +126,31 @@ impl Engine {
         max_tokens: u32,
         now: Instant,
     ) -> UnboundedReceiver<Progress> {
-        self.submit_tokens(prompt, Vec::new(), None, max_tokens, now)
+        self.submit_tokens(prompt, Vec::new(), None, (max_tokens, 0), now)
+    }
+
+    /// Whether a request of this `priority` is accepted: vLLM refuses a
+    /// nonzero one unless it schedules by priority.
+    pub fn check_priority(&self, priority: i64) -> Result<(), String> {
+        if priority != 0 && self.timing.policy != SchedulingPolicy::Priority {
+            return Err(format!(
+                "Got priority {priority} but Priority scheduling is not enabled."
+            ));
+        }
+        Ok(())
     }
 
     /// [`submit`](Self::submit) with the prompt's `tokens`, for the KV
-    /// events of its blocks.
+    /// events of its blocks, and its `(max_tokens, priority)`. Under
+    /// `SchedulingPolicy::Priority` it waits behind every request of a
+    /// lower or equal priority, ahead of the others, as vLLM's waiting
+    /// heap orders by (priority, arrival).
     pub fn submit_tokens(
         &mut self,
         prompt: PromptBlocks,
         tokens: Vec<Token>,
         salt: Option<Vec<u8>>,
-        max_tokens: u32,
+        (max_tokens, priority): (u32, i64),
         now: Instant,
     ) -> UnboundedReceiver<Progress> {
         let (tx, rx) = unbounded_channel();
@@ -141,6 +161,7 @@ impl Engine {
             tokens,
             salt,
             max_tokens: max_tokens.max(1),
+            priority,
             arrival: now,
             tx,
             blocks: Vec::new(),
@@ -150,7 +171,16 @@ impl Engine {
             cached: 0,
         };
         self.seqs.insert(id, seq);
-        self.waiting.push_back(id);
+        match self.timing.policy {
+            SchedulingPolicy::Fcfs => self.waiting.push_back(id),
+            SchedulingPolicy::Priority => {
+                let seqs = &self.seqs;
+                let at = self
+                    .waiting
+                    .partition_point(|w| seqs.get(w).is_some_and(|s| s.priority <= priority));
+                self.waiting.insert(at, id);
+            }
+        }
         rx
     }
 
@@ -195,8 +225,8 @@ impl Engine {
         Some(cached)
     }
 
-    /// Admits waiting requests (FIFO, while a seat and their blocks are free)
-    /// and plans the next step, or returns `None` when there is nothing to run.
+    /// Admits waiting requests (in the queue's order, while a seat and the
+    /// first one's blocks are free) and plans the next step, or returns `None` when there is nothing to run.
     pub fn plan_step(&mut self) -> Option<StepPlan> {
         while self.running.len() < self.timing.max_num_seqs {
             let Some(&id) = self.waiting.front() else {

@@ -97,6 +97,8 @@ struct MessagesRequest<'a> {
     tools: Option<Vec<AnthropicTool>>,
     #[serde(default)]
     stream: Option<bool>,
+    #[serde(default)]
+    priority: Option<i64>,
 }
 
 /// Parses a Messages request into the job it runs.
@@ -124,6 +126,7 @@ pub fn parse(body: &[u8], models: &[String]) -> Result<Job, ApiError> {
         return Err(ApiError::bad_request("message content must not be empty"));
     }
     let stream = r.stream.unwrap_or(false);
+    let priority = r.priority.unwrap_or(0);
     let tokens = conversation(r)
         .tokens(true)
         .map_err(ApiError::bad_request)?;
@@ -135,6 +138,7 @@ pub fn parse(body: &[u8], models: &[String]) -> Result<Job, ApiError> {
         stream,
         include_usage: true,
         cache_salt: None,
+        priority,
     })
 }
 

@@ -81,6 +81,8 @@ struct ResponsesRequest {
     #[serde(default)]
     cache_salt: Option<String>,
     #[serde(default)]
+    priority: Option<i64>,
+    #[serde(default)]
     metadata: Option<Value>,
     #[serde(default)]
     temperature: Option<f64>,
@@ -361,6 +363,7 @@ pub fn parse(
         stream,
         include_usage: true,
         cache_salt: r.cache_salt.or(r.prompt_cache_key),
+        priority: r.priority.unwrap_or(0),
     };
     Ok((job, ctx))
 }

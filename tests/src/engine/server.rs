@@ -41,6 +41,7 @@ struct Run {
     /// The prompt's tokens while KV events are published, else empty.
     tokens: Vec<super::tokenize::Token>,
     salt: Option<Vec<u8>>,
+    priority: i64,
 }
 
 /// Everything the connection tasks share.
@@ -527,6 +528,12 @@ impl Server {
             }
         };
         self.model_requests[job.model].fetch_add(1, Ordering::Relaxed);
+        let refused = (self.engine.lock().expect("engine lock")).check_priority(job.priority);
+        if let Err(why) = refused {
+            return self
+                .error(s, out, kind, ApiError::bad_request(why), ka)
+                .await;
+        }
         let (fail, drop_mid, stall, bad_cached) = {
             let mut e = self.engine.lock().expect("engine lock");
             let (f, d) = (e.faults.fail_rate, e.faults.drop_mid_stream_rate);
@@ -602,6 +609,7 @@ impl Server {
                 prompt,
                 tokens,
                 salt,
+                priority: job.priority,
             };
             return self.background(s, out, &resp, run, ka).await;
         }
@@ -653,7 +661,7 @@ impl Server {
             prompt,
             tokens,
             salt,
-            job.max_tokens,
+            (job.max_tokens, job.priority),
             arrival,
         );
         self.wake.notify_one();
@@ -731,7 +739,7 @@ impl Server {
                     run.prompt,
                     run.tokens,
                     run.salt,
-                    max_tokens,
+                    (max_tokens, run.priority),
                     Instant::now(),
                 );
                 srv.wake.notify_one();
