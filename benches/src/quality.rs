@@ -242,6 +242,19 @@ fn extra_text(extra: Option<&str>) -> anyhow::Result<String> {
     }
 }
 
+/// Whether a front's config file sets `[classes] engine_priority`: its
+/// engines then run by priority, as vLLM's `--scheduling-policy priority`
+/// (an engine that does not refuses a nonzero `priority`).
+fn engines_by_priority(extra: Option<&str>) -> anyhow::Result<bool> {
+    let text = extra_text(extra)?;
+    let value: toml::Table = toml::from_str(&text)
+        .with_context(|| format!("reading {}", extra.unwrap_or("the config")))?;
+    Ok(value
+        .get("classes")
+        .and_then(|c| c.get("engine_priority"))
+        .is_some())
+}
+
 /// The config of a precise-mode run: every engine with its event
 /// endpoints, `[precise]` on, then the settings of `extra` (a file).
 fn precise_text(
@@ -605,11 +618,14 @@ pub fn run_one(
 ) -> anyhow::Result<PolicyRun> {
     anyhow::ensure!(!fleet::interrupted(), "interrupted");
     anyhow::ensure!(replicas >= 1, "at least one replica");
-    let args = timing.engine_args_for(qs);
+    let mut args = timing.engine_args_for(qs);
     let parsed = match front {
         Front::Policy(p) => Some(parse_policy(p)),
         Front::Peer(..) => None,
     };
+    if engines_by_priority(parsed.and_then(|f| f.config))? {
+        args.extend(["--scheduling-policy".into(), "priority".into()]);
+    }
     let precise = parsed.is_some_and(|f| f.precise);
     let (mut engines, events): (Vec<Engine>, Vec<fleet::EventPorts>) = if precise {
         fleet::start_engines_with_events(bins, qs.drive.engines, &args)?

@@ -95,7 +95,10 @@ mod tests {
             ("{}", r#"{"priority":1}"#),
             ("{ \n }", "{\"priority\":1 \n }"),
             (r#"{"a":1}"#, r#"{"priority":1,"a":1}"#),
-            (" \r\n\t{ \"a\" : [1] }", " \r\n\t{\"priority\":1, \"a\" : [1] }"),
+            (
+                " \r\n\t{ \"a\" : [1] }",
+                " \r\n\t{\"priority\":1, \"a\" : [1] }",
+            ),
         ] {
             let got = with(body, 1).unwrap();
             assert_eq!(got, want);

@@ -23,8 +23,8 @@ use crate::prompt::extract::Class;
 use crate::proxy::api;
 use crate::proxy::client::{Body, ClientConn, Request};
 use crate::proxy::forward::{self, Attempt, Failure};
-use crate::proxy::priority_field::Insert;
 use crate::proxy::io::write_all;
+use crate::proxy::priority_field::Insert;
 use crate::proxy::worker::Worker;
 use crate::shared::{RouteQuery, Routed, Scanned, TokensFrom};
 

@@ -525,4 +525,67 @@ mod tests {
         assert!(e.plan_step().is_none());
         assert_eq!(e.cache.used_blocks(), 0);
     }
+
+    /// Steps until every request is done; the order they finished in,
+    /// by their index in `rxs`.
+    fn finish_order(e: &mut Engine, rxs: &mut [UnboundedReceiver<Progress>]) -> Vec<usize> {
+        let mut order = Vec::new();
+        while let Some(p) = e.plan_step() {
+            e.apply_step(&p, Instant::now());
+            for (i, rx) in rxs.iter_mut().enumerate() {
+                while let Ok(p) = rx.try_recv() {
+                    if p.done {
+                        order.push(i);
+                    }
+                }
+            }
+        }
+        order
+    }
+
+    #[test]
+    fn priority_mode_runs_the_lowest_priority_first_then_by_arrival() {
+        let mut e = engine(&["--max-num-seqs", "1", "--scheduling-policy", "priority"]);
+        let now = Instant::now();
+        // The first takes the only seat; the others wait: two batch (1),
+        // a chat (0), an urgent one (-1), another chat (0).
+        let mut rxs = vec![e.submit_tokens(prompt(32), Vec::new(), None, (2, 0), now)];
+        let first = e.plan_step().unwrap();
+        e.apply_step(&first, now);
+        for (i, p) in [1, 1, 0, -1, 0].into_iter().enumerate() {
+            let prompt = prompt(40 + i as u32);
+            rxs.push(e.submit_tokens(prompt, Vec::new(), None, (2, p), now));
+        }
+        assert_eq!(e.gauges().waiting, 5);
+        assert_eq!(finish_order(&mut e, &mut rxs), [0, 4, 3, 5, 1, 2]);
+    }
+
+    #[test]
+    fn fcfs_mode_serves_by_arrival_and_refuses_a_priority() {
+        let mut e = engine(&["--max-num-seqs", "1"]);
+        assert_eq!(
+            e.check_priority(1).unwrap_err(),
+            "Got priority 1 but Priority scheduling is not enabled."
+        );
+        assert!(e.check_priority(0).is_ok());
+        let now = Instant::now();
+        let mut rxs: Vec<_> = (0..4).map(|i| e.submit(prompt(32 + i), 2, now)).collect();
+        assert_eq!(finish_order(&mut e, &mut rxs), [0, 1, 2, 3]);
+        let p = engine(&["--scheduling-policy", "priority"]);
+        assert!(p.check_priority(-7).is_ok());
+    }
+
+    #[test]
+    fn a_waiting_request_that_left_does_not_hold_its_place_in_priority_mode() {
+        let mut e = engine(&["--max-num-seqs", "1", "--scheduling-policy", "priority"]);
+        let now = Instant::now();
+        let a = e.submit_tokens(prompt(32), Vec::new(), None, (2, 0), now);
+        let gone = e.submit_tokens(prompt(33), Vec::new(), None, (2, -1), now);
+        let b = e.submit_tokens(prompt(34), Vec::new(), None, (2, 1), now);
+        drop(gone);
+        let mut rxs = vec![a, b];
+        assert_eq!(finish_order(&mut e, &mut rxs), [0, 1]);
+        assert_eq!(e.gauges().waiting, 0);
+        assert_eq!(e.cache.used_blocks(), 0);
+    }
 }

@@ -256,3 +256,29 @@ fn keys_from_the_keys_file_join_their_tenants() {
         "{err}"
     );
 }
+
+#[test]
+fn engine_priority_is_off_unless_set_and_each_class_defaults_to_0() {
+    assert_eq!(Classes::default().engine_priority, None);
+    let c = classes("[classes]\nengine_priority = { priority = -3, flex = 7 }\n").unwrap();
+    let ep = c.engine_priority.unwrap();
+    assert_eq!(
+        (
+            ep.of(Class::Priority),
+            ep.of(Class::Default),
+            ep.of(Class::Flex)
+        ),
+        (-3, 0, 7)
+    );
+    // A keys file's keys leave it as it is.
+    assert_eq!(c.with_keys(&[]).unwrap().engine_priority, Some(ep));
+    // A misspelt class or a value that is no integer is refused.
+    for bad in [
+        "engine_priority = { urgent = -1 }",
+        "engine_priority = { flex = \"1\" }",
+        "engine_priority = { flex = 1.5 }",
+        "engine_priority = { flex = 3000000000 }",
+    ] {
+        assert!(classes(&format!("[classes]\n{bad}\n")).is_err(), "{bad}");
+    }
+}

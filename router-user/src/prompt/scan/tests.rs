@@ -446,3 +446,43 @@ fn a_long_plain_run_is_crossed_to_its_quote() {
         }
     }
 }
+
+#[test]
+fn a_body_s_own_priority_is_noticed_on_every_inference_api() {
+    let mut canon = Canonical::default();
+    let given = |ep, body: &str, canon: &mut Canonical| {
+        scan(ep, body.as_bytes(), canon).unwrap();
+        canon.priority_given()
+    };
+    let chat = r#"{"messages":[{"role":"user","content":"hi"}]"#;
+    assert!(!given(Endpoint::Chat, &format!("{chat}}}"), &mut canon));
+    assert!(given(
+        Endpoint::Chat,
+        &format!("{chat},\"priority\":-2}}"),
+        &mut canon
+    ));
+    // Whatever its value; and the next scan forgets it.
+    assert!(given(
+        Endpoint::Chat,
+        &format!("{chat},\"priority\":null}}"),
+        &mut canon
+    ));
+    assert!(!given(Endpoint::Chat, &format!("{chat}}}"), &mut canon));
+    assert!(given(
+        Endpoint::Completions,
+        r#"{"priority":1,"prompt":"a"}"#,
+        &mut canon
+    ));
+    // Inside a message it is no top-level field.
+    let nested = r#"{"messages":[{"role":"user","content":"hi","priority":1}]}"#;
+    assert!(!given(Endpoint::Chat, nested, &mut canon));
+    let msgs =
+        r#"{"model":"m","max_tokens":1,"messages":[{"role":"user","content":"hi"}],"priority":3}"#;
+    assert!(given(Endpoint::Messages, msgs, &mut canon));
+    assert!(given(
+        Endpoint::Responses,
+        r#"{"input":"hi","priority":0}"#,
+        &mut canon
+    ));
+    assert!(!given(Endpoint::Responses, r#"{"input":"hi"}"#, &mut canon));
+}
