@@ -44,6 +44,9 @@ fn wait_for(e: &SimEngine, name: &str, at_least: f64) {
     }
 }
 
+/// When an answer came, to which request, and the answer.
+type Answered = (Instant, &'static str, Response);
+
 /// An engine of one seat busy with a long batch request sent through the
 /// router, then `queued` (a label and a body each) sent one after the
 /// other, each once the engine counts it waiting. Returns the labels in
@@ -60,7 +63,7 @@ fn order_behind_one_seat(config: &str, queued: Vec<(&'static str, Value)>) -> Ve
     ]);
     let r = Router::spawn(&[engine.url()], &[], config);
     let addr = r.addr;
-    let done: Arc<Mutex<Vec<(Instant, &'static str, Response)>>> = Arc::default();
+    let done: Arc<Mutex<Vec<Answered>>> = Arc::default();
     let send = |label: &'static str, body: Value| {
         let done = done.clone();
         std::thread::spawn(move || {
