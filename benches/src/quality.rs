@@ -1245,6 +1245,16 @@ mod tests {
     }
 
     #[test]
+    fn engines_run_by_priority_only_when_the_front_s_file_sets_engine_priority() {
+        assert!(!engines_by_priority(None).unwrap());
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/configs/");
+        let by = |f: &str| engines_by_priority(Some(&format!("{root}{f}"))).unwrap();
+        assert!(by("classes-priority.toml"));
+        assert!(!by("classes.toml"));
+        assert!(engines_by_priority(Some("/nonexistent/x.toml")).is_err());
+    }
+
+    #[test]
     fn a_precise_front_gives_the_router_every_engine_s_events() {
         let front = |policy, baseline, precise, alone, config| PolicyFront {
             policy,
