@@ -13,6 +13,7 @@ use tracing::{error, info};
 use crate::config::{Config, ms};
 use crate::control::membership::Membership;
 use crate::control::{admin, discovery, health, loadview, logging, reload, replicas};
+use crate::epp;
 use crate::proxy::listener;
 use crate::shared::Router;
 
@@ -54,6 +55,7 @@ pub fn run(
         loadview::spawn(router.clone(), load)?;
     }
     let _workers = listener::start(router.clone())?;
+    epp::start(router.clone())?;
     health::spawn_checker(router.clone());
     let membership = Arc::new(Membership::default());
     discovery::spawn(router.clone(), membership.clone()).context("starting discovery")?;

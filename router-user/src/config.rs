@@ -11,6 +11,7 @@ use serde::Deserialize;
 pub mod classes;
 pub mod discovery;
 pub mod ebpf;
+pub mod epp;
 pub mod keys;
 pub mod models;
 pub mod precise;
@@ -59,6 +60,9 @@ pub struct Config {
     /// Request classes (`service_tier`): batch work held back while the
     /// engines are busy (`[classes]`).
     pub classes: Classes,
+    /// The endpoint-picker front for Envoy and other inference gateways
+    /// (`[epp]`, off by default).
+    pub epp: epp::EppConfig,
     /// Add `x-prefix-router-backend` and `x-prefix-router-matched-blocks` to
     /// responses, keep the engine's identity headers (`server`,
     /// `x-engine-id`), and put the internal detail (backend URL, OS error)
@@ -135,6 +139,7 @@ impl Default for Config {
             discovery: discovery::DiscoveryConfig::default(),
             replicas: replicas::ReplicasConfig::default(),
             classes: Classes::default(),
+            epp: epp::EppConfig::default(),
             debug_headers: false,
             watch_files_ms: 1_000,
             tls: Default::default(),
@@ -676,6 +681,7 @@ impl Config {
         }
         self.discovery.validate()?;
         self.replicas.validate()?;
+        self.epp.validate()?;
         if self.backends.len() > MAX_BACKENDS {
             bail!(
                 "{} backends configured; at most {MAX_BACKENDS} are supported",

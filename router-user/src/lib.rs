@@ -11,6 +11,7 @@
 pub mod app;
 pub mod config;
 pub mod control;
+pub(crate) mod epp;
 pub mod error;
 pub mod fleet;
 pub mod http;

@@ -30,6 +30,9 @@ struct Cli {
     /// Admin listener (metrics, /admin/*); "off" disables it.
     #[arg(long, value_name = "ADDR|off")]
     admin_listen: Option<String>,
+    /// Serve Envoy's ext_proc as a Gateway API endpoint picker on ADDR (gRPC).
+    #[arg(long, value_name = "ADDR")]
+    epp_listen: Option<SocketAddr>,
     /// Log level or tracing filter (RUST_LOG wins).
     #[arg(long)]
     log_level: Option<String>,
@@ -71,6 +74,9 @@ impl Cli {
                 "off" => None,
                 a => Some(a.parse().with_context(|| format!("--admin-listen {a:?}"))?),
             };
+        }
+        if let Some(a) = self.epp_listen {
+            cfg.epp.listen = Some(a);
         }
         if let Some(l) = &self.log_level {
             cfg.log.level = l.clone();

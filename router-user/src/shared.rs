@@ -231,6 +231,9 @@ pub struct RouteQuery<'a> {
     /// What the head says of the caller (`classes.header`, the API key):
     /// read only when `[classes]` asks for it.
     pub caller: Caller<'a>,
+    /// Only these backends (by slot) may be chosen: a gateway's subset
+    /// hint (`epp`). `None`: any.
+    pub only: Option<&'a BackendSet>,
 }
 
 /// A body's scan kept across a wait (a request's tokens made off the
@@ -468,7 +471,7 @@ impl Router {
         let fleet_slots = fleet_slots(&fleet);
         for b in &fleet.backends {
             let mut load = b.view(cap);
-            if above_waiting {
+            if above_waiting || query.only.is_some_and(|o| !o.contains(b.slot)) {
                 load.eligible = false;
             }
             if !cfg.prefix.expects_lost_history() {
@@ -1113,6 +1116,7 @@ mod tests {
                 scanned: None,
                 by_model: false,
                 caller: Caller::default(),
+                only: None,
             };
             router.route(&query, &mut scratch, &mut blocks).unwrap();
             blocks.hashes.clone()

@@ -41,6 +41,13 @@ const MAY_USE: &[(&str, &[&str])] = &[
         ],
     ),
     (
+        "epp",
+        &[
+            "error", "http", "config", "prompt", "fleet", "policy", "precise", "metrics", "shared",
+            "replica",
+        ],
+    ),
+    (
         "control",
         &[
             "error", "http", "config", "prompt", "fleet", "policy", "precise", "metrics", "shared",
@@ -51,7 +58,7 @@ const MAY_USE: &[(&str, &[&str])] = &[
         "app",
         &[
             "error", "http", "config", "prompt", "fleet", "policy", "precise", "metrics", "shared",
-            "replica", "proxy", "control",
+            "replica", "proxy", "control", "epp",
         ],
     ),
 ];

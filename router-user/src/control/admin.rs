@@ -273,6 +273,7 @@ fn explain(router: &Router, ep: Endpoint, head: &[u8], body: &[u8]) -> (u16, ser
         tokens: crate::shared::TokensFrom::Here,
         scanned: None,
         by_model: false,
+        only: None,
     };
     let routed = match router.route(&query, &mut scratch, &mut blocks) {
         Ok(r) => r,

@@ -649,6 +649,7 @@ fn route_once(
         session: req.head.session,
         tokens: TokensFrom::Worker(tokens),
         scanned: None,
+        only: None,
     };
     let mut scratch = worker.scratch.borrow_mut();
     let query = RouteQuery {
@@ -699,6 +700,7 @@ async fn offload_tokens(
             scanned: None,
             by_model: false,
             caller: Caller::default(),
+            only: None,
         };
         let mut scratch = worker.scratch.borrow_mut();
         let job = worker.router.token_job(&query, &mut scratch);
