@@ -56,6 +56,7 @@ mod bin_path;
 pub mod dns;
 pub mod engine;
 pub mod engine_proc;
+pub mod envoy_proc;
 pub mod fake_backend;
 pub mod http;
 pub mod llama_proc;

@@ -17,6 +17,7 @@ mod router_classes_callers;
 mod router_discovery;
 mod router_ebpf_load;
 mod router_engine_priority;
+mod router_epp;
 mod router_faults;
 mod router_feedback;
 mod router_fleet;
