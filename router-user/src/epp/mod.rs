@@ -168,3 +168,6 @@ impl ExternalProcessor for Picker {
         Ok(Response::new(Box::pin(stream)))
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -489,3 +489,51 @@ fn a_malformed_or_out_of_order_ext_proc_stream_is_refused_and_the_picker_keeps_s
     // Nothing was left counted in flight by the broken streams.
     assert_eq!(router.backends()[0]["in_flight"], 0);
 }
+
+#[test]
+fn an_engine_gone_between_pick_and_send_is_a_quick_error_and_then_left_out() {
+    let Some(bin) = envoy_proc::require("epp gone engine") else {
+        return;
+    };
+    let mut engines = SimEngine::fleet(2, &["--time-scale", "0"]);
+    let epp_port = free_port();
+    // Probes off: only the answers Envoy reports tell the picker.
+    let router = picker(
+        &[&engines[0], &engines[1]],
+        epp_port,
+        "[health]\ninterval_ms = 0\n",
+    );
+    let envoy = Envoy::spawn(
+        &bin,
+        epp_port,
+        &engines[1].addr.to_string(),
+        &Options::default(),
+    );
+    let first = send(envoy.addr, &chat(SYSTEM, "hi", false), &[]);
+    assert_eq!(first.status, 200);
+    let holder = engine_of(&first);
+    let gone = usize::from(holder == "e1");
+    engines[gone].child.stop();
+    let mut statuses = Vec::new();
+    for i in 0..8 {
+        let started = Instant::now();
+        let r = send(envoy.addr, &chat(SYSTEM, &format!("again {i}"), false), &[]);
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "no hang on a gone engine"
+        );
+        statuses.push((r.status, engine_of(&r)));
+    }
+    let failed = statuses.iter().filter(|(s, _)| *s >= 500).count();
+    assert!(
+        (1..=3).contains(&failed),
+        "a few failures eject the gone engine (health.passive_fall): {statuses:?}"
+    );
+    assert!(
+        statuses[failed..]
+            .iter()
+            .all(|(s, e)| *s == 200 && *e == format!("e{}", 1 - gone)),
+        "then the other engine serves: {statuses:?}"
+    );
+    assert_eq!(router.backend(&engines[gone].url())["healthy"], false);
+}
