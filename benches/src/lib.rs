@@ -49,6 +49,7 @@ pub mod cost;
 pub mod cpu;
 pub mod demo;
 pub mod engine_metrics;
+pub mod envoy;
 pub mod fleet;
 pub mod llama;
 pub mod loadgen;

@@ -78,10 +78,10 @@ struct ConnStats {
 /// Runs `spec`; calls `probe` when the measured window opens and when it
 /// closes (from this thread) and returns the difference of each of its
 /// values (CPU seconds of the proxy and of the engines, say) with the result.
-pub fn run<P: FnMut() -> [f64; 2]>(
+pub fn run<const N: usize, P: FnMut() -> [f64; N]>(
     spec: &LoadSpec,
     mut probe: P,
-) -> anyhow::Result<(LoadResult, [f64; 2])> {
+) -> anyhow::Result<(LoadResult, [f64; N])> {
     anyhow::ensure!(
         !spec.targets.is_empty() && spec.concurrency > 0,
         "nothing to load"
@@ -149,7 +149,7 @@ pub fn run<P: FnMut() -> [f64; 2]>(
         r.latency.add(&c.latency)?;
         r.first_byte.add(&c.first_byte)?;
     }
-    Ok((r, [b[0] - a[0], b[1] - a[1]]))
+    Ok((r, std::array::from_fn(|i| b[i] - a[i])))
 }
 
 /// How a connection is made: plain TCP, or TLS over it.

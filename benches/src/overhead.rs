@@ -9,6 +9,7 @@
 
 use crate::body;
 use crate::cpu;
+use crate::envoy::Envoy;
 use crate::fleet::{self, Bins, Engine, Router};
 use crate::loadgen::{self, LoadSpec, q_us};
 use crate::nginx::{Nginx, NginxMode};
@@ -125,6 +126,10 @@ pub struct Sample {
     pub first_byte_p99_us: f64,
     /// CPU microseconds per request of the proxy (master and workers).
     pub cpu_us_per_req: Option<f64>,
+    /// CPU microseconds per request of the endpoint picker behind the
+    /// proxy (`envoy+epp`: prefix-router answering Envoy's ext_proc).
+    #[serde(default)]
+    pub picker_cpu_us_per_req: Option<f64>,
     /// CPU microseconds per request of all the engines together: what the
     /// proxy in front makes them spend (how it spreads and batches).
     #[serde(default)]
@@ -150,6 +155,9 @@ pub struct Row {
     pub added_first_byte_p50_us: f64,
     pub added_first_byte_p99_us: f64,
     pub cpu_us_per_req: Option<f64>,
+    /// The endpoint picker's CPU per request (median over rounds).
+    #[serde(default)]
+    pub picker_cpu_us_per_req: Option<f64>,
     /// The engines' CPU per request (median over rounds).
     #[serde(default)]
     pub engines_cpu_us_per_req: f64,
@@ -170,6 +178,9 @@ pub struct OverheadResults {
     pub loadgen_ceiling_core: f64,
     /// Why nginx is absent, when it is.
     pub nginx_note: Option<String>,
+    /// Why the Envoy targets are absent, when they are.
+    #[serde(default)]
+    pub envoy_note: Option<String>,
 }
 
 struct Target {
@@ -179,6 +190,41 @@ struct Target {
     cpu: Option<(u32, bool)>,
     /// Reached over TLS (only in the `tls-*` phases).
     tls: Option<(Arc<rustls::ClientConfig>, String)>,
+    /// Pid of the endpoint picker the proxy asks, counted apart.
+    picker: Option<u32>,
+}
+
+/// Envoy round-robin, and Envoy with prefix-router as its picker.
+struct Gateways {
+    round_robin: Envoy,
+    picker: Router,
+    with_picker: Envoy,
+}
+
+impl Gateways {
+    fn start(bins: &Bins, engines: &[Engine], workers: usize) -> anyhow::Result<Gateways> {
+        let addrs: Vec<SocketAddr> = engines.iter().map(|e| e.addr).collect();
+        let round_robin = Envoy::round_robin(&addrs, workers)?;
+        let epp_port = testkit::proc::free_port();
+        // The picker's own HTTP front takes no traffic: one worker.
+        let picker = Router::start(
+            bins,
+            engines,
+            "prefix",
+            &[
+                "--workers".into(),
+                "1".into(),
+                "--epp-listen".into(),
+                format!("127.0.0.1:{epp_port}"),
+            ],
+        )?;
+        let with_picker = Envoy::with_picker(epp_port, addrs[0], workers)?;
+        Ok(Gateways {
+            round_robin,
+            picker,
+            with_picker,
+        })
+    }
 }
 
 /// The TLS side of the stand: one certificate from a CA made for the run,
@@ -200,6 +246,7 @@ struct Stand {
     baseline: Option<Router>,
     nginx: Option<Nginx>,
     tls: Option<TlsStand>,
+    gateways: Option<Gateways>,
 }
 
 impl Stand {
@@ -209,7 +256,7 @@ impl Stand {
         engine_args: &[&str],
         nginx: NginxMode,
         dir: &Path,
-    ) -> anyhow::Result<(Stand, Option<String>)> {
+    ) -> anyhow::Result<(Stand, Option<String>, Option<String>)> {
         let args: Vec<String> = engine_args.iter().map(|s| s.to_string()).collect();
         let nginx_mode = nginx;
         let engines = fleet::start_engines(bins, cfg.engines, &args)?;
@@ -242,6 +289,10 @@ impl Stand {
         } else {
             Some(TlsStand::start(bins, cfg, &engines, nginx_mode, dir)?)
         };
+        let (gateways, envoy_note) = match testkit::envoy_proc::binary() {
+            Ok(_) => (Some(Gateways::start(bins, &engines, cfg.workers)?), None),
+            Err(why) => (None, Some(why)),
+        };
         Ok((
             Stand {
                 engines,
@@ -249,8 +300,10 @@ impl Stand {
                 baseline,
                 nginx,
                 tls,
+                gateways,
             },
             note,
+            envoy_note,
         ))
     }
 
@@ -261,6 +314,7 @@ impl Stand {
             addrs: self.engines.iter().map(|e| e.addr).collect(),
             cpu: None,
             tls: None,
+            picker: None,
         }];
         if let Some(n) = &self.nginx {
             t.push(Target {
@@ -268,6 +322,7 @@ impl Stand {
                 addrs: vec![n.addr],
                 cpu: Some((n.child.pid(), true)),
                 tls: None,
+                picker: None,
             });
         }
         t.push(Target {
@@ -275,6 +330,7 @@ impl Stand {
             addrs: vec![self.router.addr],
             cpu: Some((self.router.child.pid(), false)),
             tls: None,
+            picker: None,
         });
         if let Some(b) = &self.baseline {
             t.push(Target {
@@ -282,6 +338,7 @@ impl Stand {
                 addrs: vec![b.addr],
                 cpu: Some((b.child.pid(), false)),
                 tls: None,
+                picker: None,
             });
         }
         if let (true, Some(s)) = (tls_phase, &self.tls) {
@@ -292,6 +349,7 @@ impl Stand {
                     addrs: vec![n.addr],
                     cpu: Some((n.child.pid(), true)),
                     tls: tls.clone(),
+                    picker: None,
                 });
             }
             t.push(Target {
@@ -299,6 +357,23 @@ impl Stand {
                 addrs: vec![s.router.addr],
                 cpu: Some((s.router.child.pid(), false)),
                 tls,
+                picker: None,
+            });
+        }
+        if let (false, Some(g)) = (tls_phase, &self.gateways) {
+            t.push(Target {
+                name: "envoy",
+                addrs: vec![g.round_robin.addr],
+                cpu: Some((g.round_robin.child.pid(), false)),
+                tls: None,
+                picker: None,
+            });
+            t.push(Target {
+                name: "envoy+epp",
+                addrs: vec![g.with_picker.addr],
+                cpu: Some((g.with_picker.child.pid(), false)),
+                tls: None,
+                picker: Some(g.picker.child.pid()),
             });
         }
         t
@@ -386,9 +461,13 @@ fn measure(
             Some((pid, false)) => cpu::process_cpu_s(pid),
             None => 0.0,
         };
-        [proxy, engines.iter().map(|&e| cpu::process_cpu_s(e)).sum()]
+        [
+            proxy,
+            engines.iter().map(|&e| cpu::process_cpu_s(e)).sum(),
+            t.picker.map_or(0.0, cpu::process_cpu_s),
+        ]
     };
-    let (r, [cpu_s, engines_s]) = loadgen::run(&spec, probe)?;
+    let (r, [cpu_s, engines_s, picker_s]) = loadgen::run(&spec, probe)?;
     Ok(Sample {
         phase: phase.to_string(),
         target: t.name.to_string(),
@@ -404,6 +483,7 @@ fn measure(
         first_byte_p50_us: q_us(&r.first_byte, 0.5),
         first_byte_p99_us: q_us(&r.first_byte, 0.99),
         cpu_us_per_req: t.cpu.map(|_| cpu_s * 1e6 / r.ok.max(1) as f64),
+        picker_cpu_us_per_req: t.picker.map(|_| picker_s * 1e6 / r.ok.max(1) as f64),
         engines_cpu_us_per_req: engines_s * 1e6 / r.ok.max(1) as f64,
         loadgen_core: r.loadgen_cpu_s / r.window_s,
     })
@@ -441,7 +521,8 @@ pub fn run(
     tick: &mut dyn FnMut(&str),
 ) -> anyhow::Result<OverheadResults> {
     let mut samples = Vec::new();
-    let (stand, nginx_note) = Stand::start(bins, cfg, ZERO_ENGINE, nginx, &dir.join("nginx"))?;
+    let (stand, nginx_note, envoy_note) =
+        Stand::start(bins, cfg, ZERO_ENGINE, nginx, &dir.join("nginx"))?;
     let tiny = Arc::new(body::http_request(&body::tiny_body(false, 1)));
     let cases: Vec<_> = cfg
         .concurrencies
@@ -477,7 +558,8 @@ pub fn run(
     drop(stand);
 
     if cfg.stream {
-        let (stand, _) = Stand::start(bins, cfg, STREAM_ENGINE, nginx, &dir.join("nginx-stream"))?;
+        let (stand, _, _) =
+            Stand::start(bins, cfg, STREAM_ENGINE, nginx, &dir.join("nginx-stream"))?;
         let req = Arc::new(body::http_request(&body::tiny_body(true, STREAM_TOKENS)));
         let cases = vec![("stream".to_string(), cfg.stream_concurrency, req)];
         rounds(&stand, cfg, &cases, &mut samples, tick)?;
@@ -496,6 +578,7 @@ pub fn run(
         loadgen_ceiling_rps,
         loadgen_ceiling_core,
         nginx_note,
+        envoy_note,
     })
 }
 
@@ -540,6 +623,7 @@ pub fn aggregate(samples: &[Sample]) -> Vec<Row> {
             )
         };
         let cpu: Vec<f64> = ss.iter().filter_map(|s| s.cpu_us_per_req).collect();
+        let picker: Vec<f64> = ss.iter().filter_map(|s| s.picker_cpu_us_per_req).collect();
         rows.push(Row {
             phase: phase.clone(),
             concurrency: *c,
@@ -554,6 +638,7 @@ pub fn aggregate(samples: &[Sample]) -> Vec<Row> {
             added_first_byte_p50_us: added(|s| s.first_byte_p50_us),
             added_first_byte_p99_us: added(|s| s.first_byte_p99_us),
             cpu_us_per_req: (!cpu.is_empty()).then(|| median(cpu)),
+            picker_cpu_us_per_req: (!picker.is_empty()).then(|| median(picker)),
             engines_cpu_us_per_req: median(ss.iter().map(|s| s.engines_cpu_us_per_req).collect()),
             loadgen_cpu_us_per_req: median(
                 ss.iter()

@@ -167,6 +167,7 @@ mod tests {
             added_first_byte_p50_us: 0.0,
             added_first_byte_p99_us: 0.0,
             cpu_us_per_req: Some(cpu),
+            picker_cpu_us_per_req: None,
             engines_cpu_us_per_req: 0.0,
             loadgen_cpu_us_per_req: 0.0,
             errors: 0,
@@ -184,6 +185,7 @@ mod tests {
             loadgen_ceiling_rps: 0.0,
             loadgen_ceiling_core: 0.0,
             nginx_note: None,
+            envoy_note: None,
         }
     }
 
@@ -250,6 +252,7 @@ mod tests {
             first_byte_p50_us: 0.0,
             first_byte_p99_us: 0.0,
             cpu_us_per_req: None,
+            picker_cpu_us_per_req: None,
             engines_cpu_us_per_req: 0.0,
             loadgen_core: 0.0,
         }

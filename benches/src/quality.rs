@@ -182,6 +182,9 @@ pub(crate) struct PolicyFront<'a> {
     alone: bool,
     /// A config file whose settings are added.
     config: Option<&'a str>,
+    /// Behind Envoy, the router as its endpoint picker
+    /// ([`crate::envoy::PICKER_SUFFIX`]).
+    envoy: bool,
 }
 
 pub(crate) fn parse_policy(front: &str) -> PolicyFront<'_> {
@@ -191,12 +194,16 @@ pub(crate) fn parse_policy(front: &str) -> PolicyFront<'_> {
     let (name, alone) = name
         .strip_suffix(crate::replicas::ALONE_SUFFIX)
         .map_or((name, false), |n| (n, true));
+    let (name, envoy) = name
+        .strip_suffix(crate::envoy::PICKER_SUFFIX)
+        .map_or((name, false), |n| (n, true));
     let mut f = PolicyFront {
         policy: name,
         baseline: false,
         precise: false,
         alone,
         config,
+        envoy,
     };
     if let Some(p) = name.strip_suffix(BASELINE_SUFFIX) {
         f.policy = p;
@@ -416,6 +423,10 @@ pub(crate) fn engine_model(e: &Engine) -> anyhow::Result<String> {
 enum Running {
     Ours(Router),
     Peer(PeerRouter),
+    /// Envoy with prefix-router as its endpoint picker (`POLICY@envoy`).
+    Picker(Router, crate::envoy::Envoy),
+    /// Envoy round-robin ([`crate::envoy::ROUND_ROBIN`]).
+    Envoy(crate::envoy::Envoy),
 }
 
 impl Running {
@@ -423,8 +434,22 @@ impl Running {
         match self {
             Running::Ours(r) => r.url(),
             Running::Peer(p) => p.url(),
+            Running::Picker(_, e) | Running::Envoy(e) => e.url(),
         }
     }
+
+    /// prefix-router's process, whichever front it serves.
+    fn ours(&self) -> Option<&Router> {
+        match self {
+            Running::Ours(r) | Running::Picker(r, _) => Some(r),
+            Running::Peer(_) | Running::Envoy(_) => None,
+        }
+    }
+}
+
+/// Envoy's worker threads in the benches: as many as prefix-router's.
+fn envoy_threads() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get())
 }
 
 /// Starts how many tries a set of sharing replicas gets: a port found free
@@ -620,6 +645,7 @@ pub fn run_one(
     anyhow::ensure!(replicas >= 1, "at least one replica");
     let mut args = timing.engine_args_for(qs);
     let parsed = match front {
+        Front::Policy(p) if p == crate::envoy::ROUND_ROBIN => None,
         Front::Policy(p) => Some(parse_policy(p)),
         Front::Peer(..) => None,
     };
@@ -644,6 +670,30 @@ pub fn run_one(
         (Front::Peer(venv, peer), _) => (0..replicas)
             .map(|_| PeerRouter::start(venv, peer, &engines, &model).map(Running::Peer))
             .collect::<anyhow::Result<_>>()?,
+        (Front::Policy(_), Some(f)) if f.envoy => {
+            anyhow::ensure!(replicas == 1, "{}: one picker", front.name());
+            let epp_port = testkit::proc::free_port();
+            let mut r = Router::spawn_bin(
+                &bins.path("prefix-router"),
+                &urls,
+                f.policy,
+                &["--epp-listen".to_string(), format!("127.0.0.1:{epp_port}")]
+                    .into_iter()
+                    .chain(f.config.map(|c| format!("--config={c}")))
+                    .collect::<Vec<_>>(),
+            )?;
+            r.wait_ready()?;
+            let e = crate::envoy::Envoy::with_picker(epp_port, engines[0].addr, envoy_threads())?;
+            vec![Running::Picker(r, e)]
+        }
+        (Front::Policy(p), None) if p == crate::envoy::ROUND_ROBIN => {
+            let addrs: Vec<_> = engines.iter().map(|e| e.addr).collect();
+            (0..replicas)
+                .map(|_| {
+                    crate::envoy::Envoy::round_robin(&addrs, envoy_threads()).map(Running::Envoy)
+                })
+                .collect::<anyhow::Result<_>>()?
+        }
         (Front::Policy(_), Some(f)) => {
             let (ours, files) = start_ours(bins, &f, &urls, &events, replicas)?;
             config_files = files;
@@ -656,7 +706,7 @@ pub fn run_one(
     let share = replicas > 1 && parsed.is_some_and(|f| !f.alone);
     let ours = |r: &Running| match r {
         Running::Ours(r) => Some(crate::replicas::StreamCounters::read(r)),
-        Running::Peer(_) => None,
+        _ => None,
     };
     let counters: Vec<Option<crate::replicas::StreamCounters>> = if share {
         routers.iter().filter_map(ours).collect()
@@ -790,15 +840,13 @@ pub fn run_one(
         .map(|e| e.id.clone())
         .zip(per_engine.iter().copied())
         .collect();
-    if let Some(Running::Ours(r)) = routers.first() {
+    if let Some(r) = routers.first().and_then(Running::ours) {
         print_learned_capacity(r, qs);
     }
     let times: Vec<RoutingTime> = routers
         .iter()
-        .filter_map(|r| match r {
-            Running::Ours(r) => Some(RoutingTime::parse(&r.metrics().unwrap_or_default())),
-            Running::Peer(_) => None,
-        })
+        .filter_map(Running::ours)
+        .map(|r| RoutingTime::parse(&r.metrics().unwrap_or_default()))
         .collect();
     let routing = combined_routing(&times);
     drop(routers);
@@ -1262,6 +1310,7 @@ mod tests {
             precise,
             alone,
             config,
+            envoy: false,
         };
         assert_eq!(
             parse_policy("prefix"),
@@ -1278,6 +1327,13 @@ mod tests {
         assert_eq!(
             parse_policy("prefix@precise@alone+a.toml"),
             front("prefix", false, true, true, Some("a.toml"))
+        );
+        assert_eq!(
+            parse_policy("prefix@envoy+a.toml"),
+            PolicyFront {
+                envoy: true,
+                ..front("prefix", false, false, false, Some("a.toml"))
+            }
         );
         let urls = [
             "http://127.0.0.1:7001".to_string(),

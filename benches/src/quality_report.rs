@@ -9,6 +9,40 @@ use std::fmt::Write as _;
 /// How the peer routers ran: said beside every table that has them.
 pub const PEERS_NOTE: &str = "Peer routers: sglang-router 0.3.2, vllm-router 0.1.17 and smg 1.13.0 from PyPI, each with its `cache_aware` policy and defaults otherwise (smg with `--worker-warmup-secs 0` and `--disable-tokenizer-autoload`), on the same engines and the same traffic (same seed), the whole run inside a network namespace with only loopback. The engines answer vLLM's `/tokenize` and render endpoints, so vllm-router routes on the real token ids. TTFT is the first streamed content event; the client acknowledges at once (TCP_QUICKACK), which keeps sglang-router's Nagle/delayed-ACK stall (+40 ms on a reused connection) out of the figures.";
 
+/// Envoy with prefix-router as its endpoint picker, on every row that ran
+/// it beside prefix-router as the proxy: the same hits (within a point),
+/// and far more than Envoy's own round-robin.
+pub(crate) fn check_picker_targets(rows: &[QualityRow], c: &mut Vec<Check>) {
+    let row = |sc: &str, p: &str| {
+        rows.iter()
+            .find(|r| r.scenario == sc && r.policy == p && r.replicas == 1)
+    };
+    for picked in rows.iter().filter(|r| r.policy == "prefix@envoy") {
+        let sc = picked.scenario.as_str();
+        let Some(proxy) = row(sc, "prefix") else {
+            continue;
+        };
+        let d = (picked.hit_rate - proxy.hit_rate) * 100.0;
+        let rr = row(sc, crate::envoy::ROUND_ROBIN)
+            .map(|r| format!("; Envoy round-robin {}", pct(r.hit_rate)))
+            .unwrap_or_default();
+        c.push(Check {
+            target: format!(
+                "{sc}: through Envoy with the picker, hit rate within 1 point of the proxy's"
+            ),
+            measured: format!(
+                "{} vs {}{rr}; TTFT p50 {:.1} vs {:.1} ms",
+                pct(picked.hit_rate),
+                pct(proxy.hit_rate),
+                picked.ttft_p50_ms,
+                proxy.ttft_p50_ms
+            ),
+            met: d >= -1.0,
+            margin: format!("{d:+.1} points"),
+        });
+    }
+}
+
 /// The placement targets, on the rows that ran with one replica: against
 /// the best peer under memory pressure, and against round-robin on the
 /// hot prompt.

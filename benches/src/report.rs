@@ -173,6 +173,7 @@ impl BenchResults {
             );
         }
         crate::quality_report::check_placement_targets(&self.quality_rows, &mut c);
+        crate::quality_report::check_picker_targets(&self.quality_rows, &mut c);
         crate::apis::check_targets(&self.quality_rows, &mut c);
         self.checks = c;
     }
@@ -352,6 +353,7 @@ pub fn markdown(r: &BenchResults, comparison: Option<&str>) -> String {
             "added 1st byte p50",
             "p99",
             "CPU us/req",
+            "picker CPU us/req",
             "engines CPU us/req",
             "load gen CPU us/req",
             "errors",
@@ -379,6 +381,8 @@ pub fn markdown(r: &BenchResults, comparison: Option<&str>) -> String {
                 a(x.added_first_byte_p50_us),
                 a(x.added_first_byte_p99_us),
                 x.cpu_us_per_req.map_or("-".into(), |c| format!("{c:.1}")),
+                x.picker_cpu_us_per_req
+                    .map_or("-".into(), |c| format!("{c:.1}")),
                 format!("{:.1}", x.engines_cpu_us_per_req),
                 format!("{:.1}", x.loadgen_cpu_us_per_req),
                 x.errors.to_string(),
