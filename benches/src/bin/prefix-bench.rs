@@ -127,7 +127,9 @@ struct QualityArgs {
     /// `POLICY+FILE.toml` runs it with that config file; `POLICY@baseline` on
     /// the build in PREFIX_BENCH_BASELINE_ROUTER; `POLICY@precise` in precise
     /// mode (the engines publish KV events, the router subscribes);
-    /// `POLICY@alone` runs several replicas that share nothing.
+    /// `POLICY@alone` runs several replicas that share nothing;
+    /// `POLICY@envoy` runs behind Envoy, the router as its endpoint picker;
+    /// `envoy-round-robin` is Envoy alone, round-robin.
     #[arg(long, value_delimiter = ',')]
     policies: Option<Vec<String>>,
     /// Replica counts, comma-separated: each router (ours and the peers)

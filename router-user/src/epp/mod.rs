@@ -78,11 +78,15 @@ pub fn start(router: Arc<Router>) -> anyhow::Result<()> {
                 tokio::spawn(report_health(router.clone(), reporter));
                 let picker = ExternalProcessorServer::new(Picker { router })
                     .max_decoding_message_size(max_message);
+                // No Nagle on the accepted sockets: a pick's answer is a
+                // small write waiting for no more, and Envoy's delayed ACK
+                // would hold it 40 ms (measured: +42 ms per request).
+                let incoming = tonic::transport::server::TcpIncoming::from(listener)
+                    .with_nodelay(Some(true));
                 let served = tonic::transport::Server::builder()
-                    .tcp_nodelay(true)
                     .add_service(health)
                     .add_service(picker)
-                    .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+                    .serve_with_incoming(incoming)
                     .await;
                 if let Err(e) = served {
                     warn!(error = %e, "endpoint picker stopped");
