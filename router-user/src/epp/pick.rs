@@ -131,6 +131,8 @@ pub async fn pick(
             let Some(mut inflight) = backend.admit(cap, prefill, prompt_blocks) else {
                 continue;
             };
+            // Admitted first, so routing counts it there while it waits.
+            wait_for_prefill(router, &cfg, backend, &blocks.hashes, matched).await;
             if let Some(stamp) = router.learn(backend, blocks, matched, prefill) {
                 let computing = blocks.hashes.get(matched as usize).map(|&h| (matched, h));
                 inflight.pin(stamp, computing);
@@ -186,6 +188,33 @@ pub async fn pick(
             tokio::time::sleep(QUEUE_POLL).await;
         }
     }
+}
+
+/// How often a pick waiting for another request's prefill looks again.
+const PREFILL_POLL: Duration = Duration::from_millis(1);
+
+/// Holds the pick while the backend is still computing, for another
+/// request in flight, blocks this one was predicted to find cached there,
+/// as the proxy holds the send (decision 0027): named now, the engine
+/// would compute them twice. It goes when that request's first token came
+/// back (or it ended), or after `prefix.prefill_wait_ms`.
+async fn wait_for_prefill(
+    router: &Router,
+    cfg: &Config,
+    backend: &Backend,
+    hashes: &[u64],
+    matched: u32,
+) {
+    let load = &backend.load;
+    if cfg.prefix.prefill_wait_ms == 0 || matched == 0 || !load.computing_within(hashes, matched) {
+        return;
+    }
+    let started = Instant::now();
+    let deadline = started + ms(cfg.prefix.prefill_wait_ms);
+    while Instant::now() < deadline && load.computing_within(hashes, matched) {
+        tokio::time::sleep(PREFILL_POLL).await;
+    }
+    router.metrics.observe_prefill_wait(started.elapsed());
 }
 
 /// The answer when no backend took the request: a `flex` request that
