@@ -209,6 +209,21 @@ fn tiny_bench_measures_every_target() {
     if mode == "require" {
         want.push("nginx");
     }
+    // Envoy round-robin and Envoy with the picker, when setup installed
+    // Envoy (required under CI).
+    if testkit::envoy_proc::binary().is_ok() || std::env::var_os("CI").is_some() {
+        want.extend(["envoy", "envoy+epp"]);
+        let picked = rows
+            .iter()
+            .find(|x| x["target"] == "envoy+epp" && x["phase"] == "tiny")
+            .expect("an envoy+epp row");
+        assert!(
+            picked["picker_cpu_us_per_req"]
+                .as_f64()
+                .is_some_and(|c| c > 0.0),
+            "{picked}"
+        );
+    }
     for t in want {
         let row = rows
             .iter()
