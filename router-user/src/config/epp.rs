@@ -63,3 +63,30 @@ impl EppConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    #[test]
+    fn the_example_s_picker_is_the_default_and_bad_values_are_refused() {
+        let cfg: Config =
+            toml::from_str(include_str!("../../prefix-router.example.toml")).expect("example");
+        let (e, d) = (&cfg.epp, EppConfig::default());
+        assert_eq!(e.listen, None, "off unless set");
+        assert_eq!((e.threads, e.fallbacks), (d.threads, d.fallbacks));
+        assert_eq!(e.destination_namespace, "envoy.lb");
+        assert_eq!(e.subset_namespace, "envoy.lb.subset_hint");
+        for bad in [
+            "threads = 0",
+            "fallbacks = 4",
+            "destination_namespace = \"\"",
+        ] {
+            let text = format!("backends = [\"http://127.0.0.1:1\"]\n[epp]\n{bad}\n");
+            let cfg: Config = toml::from_str(&text).expect("parses");
+            let err = cfg.validate().expect_err(bad).to_string();
+            assert!(err.contains("epp."), "{bad}: {err}");
+        }
+    }
+}
