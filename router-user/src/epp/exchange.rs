@@ -20,6 +20,7 @@ use super::wire;
 use crate::config::epp::{DESTINATION_KEY, SUBSET_KEY};
 use crate::error::{Kind, RouterError};
 use crate::fleet::feedback::{Reported, UsageScanner};
+use crate::fleet::stored::IdScanner;
 use crate::shared::{PromptBlocks, RouteScratch, Router};
 
 /// Body chunks sent back to Envoy at most this long: well under gRPC's
@@ -70,6 +71,8 @@ pub struct Exchange {
     usage: UsageScanner,
     first_body_at: Option<Instant>,
     told_prefilled: bool,
+    /// The id of a response the engine stores, read as the answer passes.
+    ids: Option<IdScanner>,
 }
 
 impl Exchange {
@@ -95,6 +98,7 @@ impl Exchange {
             usage: UsageScanner::default(),
             first_body_at: None,
             told_prefilled: false,
+            ids: None,
         }
     }
 
@@ -312,6 +316,7 @@ impl Exchange {
             &list,
         ));
         out.push(resp);
+        self.ids = picked.stores.then(IdScanner::default);
         self.picked = Some(picked);
         self.sent_at = Some(Instant::now());
         self.phase = Phase::Sent;
@@ -331,6 +336,9 @@ impl Exchange {
     fn response_body(&mut self, b: HttpBody, out: &mut Vec<ProcessingResponse>) {
         // Read-only: the bytes go back as they came.
         self.usage.feed(&b.body);
+        if let Some(ids) = &mut self.ids {
+            ids.feed(&b.body);
+        }
         if !b.body.is_empty() && self.first_body_at.is_none() {
             self.first_body_at = Some(Instant::now());
             self.prefilled();
@@ -370,7 +378,13 @@ impl Exchange {
         let router = &self.router;
         let backend = &p.backend;
         if (200..300).contains(&self.status) {
+            if let Some(id) = self.ids.take().and_then(IdScanner::id) {
+                router.stored_response(&id, backend);
+            }
             match self.usage.report() {
+                // A stored conversation's usage: the engine's prompt is
+                // more than the router hashed; it teaches nothing.
+                Reported::Valid(u) if p.pinned => p.model.usage(u.prompt_tokens, u.cached_tokens),
                 Reported::Valid(u) => {
                     router.observe_answer(
                         backend,
@@ -392,7 +406,7 @@ impl Exchange {
             {
                 let ttft = (t - sent).as_secs_f64();
                 p.model.ttft(ttft);
-                if p.queued_ahead == 0 {
+                if p.queued_ahead == 0 && !p.pinned {
                     backend.feedback.observe_ttft(p.prefill_blocks, ttft);
                 }
             }

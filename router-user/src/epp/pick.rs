@@ -13,7 +13,9 @@ use crate::error::{Kind, RouterError};
 use crate::fleet::backend::{Backend, InFlight};
 use crate::fleet::models::ModelStats;
 use crate::fleet::owners::BackendSet;
+use crate::fleet::stored;
 use crate::http::request::{api_key, header_value};
+use crate::policy::select::Decision;
 use crate::prompt::extract::{Class, Endpoint};
 use crate::shared::{PromptBlocks, RouteQuery, RouteScratch, Router, TokensFrom};
 
@@ -48,6 +50,12 @@ pub struct Picked {
     pub queued_ahead: u32,
     /// The replicas' id of the request, when they were told of it.
     pub shared_as: Option<u64>,
+    /// It continues or reads a stored response: its engine was not ranked
+    /// for its prompt, and its usage says nothing of the router's guess.
+    pub pinned: bool,
+    /// Its answer will be stored by the engine (`/v1/responses`, `store`):
+    /// the id is read from the answer.
+    pub stores: bool,
 }
 
 /// Where a request may go: the gateway's subset hint as backend slots.
@@ -90,6 +98,8 @@ pub async fn pick(
         && cfg.routes.extra_allowed.iter().any(|p| p == head.path);
     let started = Instant::now();
     let mut deadline = None;
+    // The engine that stored the response the request names, once read.
+    let mut pin: Option<Option<(String, u64)>> = None;
     loop {
         let again = Instant::now();
         let query = RouteQuery {
@@ -102,7 +112,13 @@ pub async fn pick(
             caller: caller(&cfg, head.lines),
             only,
         };
-        let routed = router.route(&query, scratch, blocks)?;
+        let mut routed = router.route(&query, scratch, blocks)?;
+        if pin.is_none() {
+            pin = Some(stored_pin(router, head.path, endpoint, scratch)?);
+        }
+        if let Some(Some((id, backend))) = &pin {
+            apply_pin(&cfg, &mut routed, id, *backend, blocks.hashes.len() as u32)?;
+        }
         let placed = scratch.placed();
         let cap = cfg
             .classes
@@ -164,6 +180,8 @@ pub async fn pick(
                 prefill_blocks: prefill,
                 queued_ahead,
                 shared_as: blocks.shared_as,
+                pinned: routed.choice.decision == Decision::Stored,
+                stores: endpoint == Some(Endpoint::Responses) && scratch.canon().stores(),
             });
         }
         let some_up = routed.fleet.backends.iter().any(|b| b.health.is_up());
@@ -188,6 +206,77 @@ pub async fn pick(
             tokio::time::sleep(QUEUE_POLL).await;
         }
     }
+}
+
+/// The stored response a request names (`/v1/responses/{id}...`, or the
+/// `previous_response_id` routing just read) and the engine that stored
+/// it; 404 when no engine here is known to have.
+fn stored_pin(
+    router: &Router,
+    path: &str,
+    endpoint: Option<Endpoint>,
+    scratch: &RouteScratch,
+) -> Result<Option<(String, u64)>, RouterError> {
+    let path = path.split('?').next().unwrap_or(path);
+    let id = match endpoint {
+        None => match stored::id_in_path(path) {
+            Some(id) => id.to_owned(),
+            None => return Ok(None),
+        },
+        Some(_) => {
+            let previous = scratch.canon().previous_response();
+            if previous.is_empty() {
+                return Ok(None);
+            }
+            String::from_utf8_lossy(previous).into_owned()
+        }
+    };
+    match router.stored.backend_of(&id) {
+        Some(b) => Ok(Some((id, b))),
+        None => Err(not_stored(&id, "no engine here is known to have stored it")),
+    }
+}
+
+/// Sends a request naming a stored response to the engine that stored it
+/// and no other, as the proxy does: a 404 when it left the fleet or is
+/// down, no candidate while it has no room (the pick waits for it).
+fn apply_pin(
+    cfg: &Config,
+    routed: &mut crate::shared::Routed,
+    id: &str,
+    backend: u64,
+    prompt_blocks: u32,
+) -> Result<(), RouterError> {
+    let Some(pos) = routed
+        .fleet
+        .backends
+        .iter()
+        .position(|b| b.id_hash == backend && b.health.is_healthy())
+    else {
+        return Err(not_stored(id, "the engine that stored it is gone"));
+    };
+    let ch = &mut routed.choice;
+    if !routed.fleet.backends[pos].has_room(cfg.limits.max_in_flight_per_backend) {
+        ch.len = 0;
+        return Ok(());
+    }
+    if ch.first() != Some(pos) {
+        ch.matched_blocks = 0;
+        ch.shared_blocks = 0;
+        ch.prefill_blocks = prompt_blocks;
+    }
+    ch.candidates[0] = pos as u16;
+    ch.len = 1;
+    ch.decision = Decision::Stored;
+    Ok(())
+}
+
+/// OpenAI's answer for an id no engine here holds.
+fn not_stored(id: &str, why: &str) -> RouterError {
+    RouterError::new(
+        Kind::NotFound,
+        format!("Response with id '{id}' not found: {why}"),
+    )
 }
 
 /// How often a pick waiting for another request's prefill looks again.

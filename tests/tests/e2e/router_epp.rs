@@ -537,3 +537,43 @@ fn an_engine_gone_between_pick_and_send_is_a_quick_error_and_then_left_out() {
     );
     assert_eq!(router.backend(&engines[gone].url())["healthy"], false);
 }
+
+#[test]
+fn a_stored_response_is_asked_of_the_engine_that_stored_it() {
+    let Some(bin) = envoy_proc::require("epp stored responses") else {
+        return;
+    };
+    let engines = SimEngine::fleet(3, &["--time-scale", "0"]);
+    let epp_port = free_port();
+    let _router = picker(&[&engines[0], &engines[1], &engines[2]], epp_port, "");
+    let envoy = Envoy::spawn(
+        &bin,
+        epp_port,
+        &engines[0].addr.to_string(),
+        &Options::default(),
+    );
+    // Each turn with instructions of its own: its prompt alone would go
+    // anywhere, the chain only to where its previous turn is stored.
+    let mut last: Option<String> = None;
+    for t in 0..5 {
+        let mut body = json!({
+            "model": "sim-llama-8b",
+            "instructions": format!("Persona {t}: {}", SYSTEM.repeat(t + 1)),
+            "input": format!("step {t}"),
+            "max_output_tokens": 4,
+        });
+        if let Some(p) = &last {
+            body["previous_response_id"] = json!(p);
+        }
+        let r = post_json(envoy.addr, "/v1/responses", &body).expect("responses");
+        assert_eq!(r.status, 200, "turn {t}: {}", r.text());
+        last = r.json()["id"].as_str().map(str::to_owned);
+    }
+    let id = last.expect("an id");
+    let got = request(envoy.addr, "GET", &format!("/v1/responses/{id}"), &[], b"").expect("get");
+    assert_eq!(got.status, 200, "{}", got.text());
+    assert_eq!(got.json()["id"], json!(id));
+    let unknown = request(envoy.addr, "GET", "/v1/responses/resp_nope", &[], b"").expect("get");
+    assert_eq!(unknown.status, 404, "{}", unknown.text());
+    assert!(unknown.text().contains("not found"), "{}", unknown.text());
+}
