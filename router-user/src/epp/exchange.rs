@@ -336,8 +336,14 @@ impl Exchange {
     fn response_body(&mut self, b: HttpBody, out: &mut Vec<ProcessingResponse>) {
         // Read-only: the bytes go back as they came.
         self.usage.feed(&b.body);
-        if let Some(ids) = &mut self.ids {
-            ids.feed(&b.body);
+        // A stored response is pinned before its id goes back to Envoy and
+        // on to the client, which may name it in its next request at once.
+        if let Some(ids) = &mut self.ids
+            && let Some(id) = ids.feed(&b.body)
+            && (200..300).contains(&self.status)
+            && let Some(p) = &self.picked
+        {
+            self.router.stored_response(id, &p.backend);
         }
         if !b.body.is_empty() && self.first_body_at.is_none() {
             self.first_body_at = Some(Instant::now());
@@ -378,9 +384,7 @@ impl Exchange {
         let router = &self.router;
         let backend = &p.backend;
         if (200..300).contains(&self.status) {
-            if let Some(id) = self.ids.take().and_then(IdScanner::id) {
-                router.stored_response(&id, backend);
-            }
+            self.ids = None;
             match self.usage.report() {
                 // A stored conversation's usage: the engine's prompt is
                 // more than the router hashed; it teaches nothing.

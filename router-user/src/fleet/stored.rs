@@ -153,22 +153,21 @@ pub struct IdScanner {
 const ID_WINDOW: usize = 8192;
 
 impl IdScanner {
-    pub fn feed(&mut self, bytes: &[u8]) {
+    /// Looks at the answer's next bytes; the id when these bytes complete
+    /// it (once), so the caller can pin it before they reach the client.
+    pub fn feed(&mut self, bytes: &[u8]) -> Option<&str> {
         if self.done {
-            return;
+            return None;
         }
         let room = ID_WINDOW - self.head.len();
         self.head.extend_from_slice(&bytes[..bytes.len().min(room)]);
         if let Some(id) = first_id(&self.head) {
-            self.found = Some(id);
             self.done = true;
+            return Some(self.found.insert(id));
         } else if self.head.len() >= ID_WINDOW {
             self.done = true;
         }
-    }
-
-    pub fn id(self) -> Option<String> {
-        self.found
+        None
     }
 }
 
@@ -247,15 +246,14 @@ mod tests {
     fn the_first_id_of_an_answer_or_a_stream_is_found_across_reads() {
         let json = br#"{"id": "resp_123","object":"response","output":[{"id":"msg_9"}]}"#;
         let mut s = IdScanner::default();
-        s.feed(&json[..9]);
-        s.feed(&json[9..]);
-        assert_eq!(s.id().as_deref(), Some("resp_123"));
+        assert_eq!(s.feed(&json[..9]), None);
+        assert_eq!(s.feed(&json[9..]), Some("resp_123"));
+        // Once: the later ids are the output's, not the response's.
+        assert_eq!(s.feed(json), None);
         let sse = b"event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_77\",\"object\":\"response\"}}\n\n";
         let mut s = IdScanner::default();
-        s.feed(sse);
-        assert_eq!(s.id().as_deref(), Some("resp_77"));
+        assert_eq!(s.feed(sse), Some("resp_77"));
         let mut s = IdScanner::default();
-        s.feed(br#"{"object":"response","ids":[1],"id":3}"#);
-        assert_eq!(s.id(), None);
+        assert_eq!(s.feed(br#"{"object":"response","ids":[1],"id":3}"#), None);
     }
 }

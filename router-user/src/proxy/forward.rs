@@ -70,6 +70,9 @@ pub struct Sending<'a> {
     pub inflight: InFlight,
     /// The replica, the backend's id and the request's id its peers know.
     pub shared: Option<(&'a Replica, u64, u64)>,
+    /// Pins a stored response's id to the backend, as soon as the answer
+    /// shows it (`Attempt::stores_answer`).
+    pub store: Option<&'a dyn Fn(&str)>,
     told_prefilled: bool,
 }
 
@@ -78,6 +81,7 @@ impl<'a> Sending<'a> {
         Sending {
             inflight,
             shared,
+            store: None,
             told_prefilled: false,
         }
     }
@@ -146,8 +150,6 @@ pub struct Answered {
     /// The answer was an event stream (its first byte is a first token).
     pub streaming: bool,
     pub first_body_at: Option<Instant>,
-    /// The stored response's id (with `Attempt::stores_answer`).
-    pub response_id: Option<String>,
 }
 
 /// Puts the credentials this attempt's backend gets where the caller's
@@ -330,8 +332,14 @@ pub async fn forward(
         };
         leftover |= take < bytes.len();
         usage.feed(&bytes[..take]);
-        if let Some(ids) = &mut response_id {
-            ids.feed(&bytes[..take]);
+        // A stored response is pinned before its id reaches the client,
+        // which may name it in its next request at once.
+        if let Some(ids) = &mut response_id
+            && let Some(id) = ids.feed(&bytes[..take])
+            && (200..300).contains(&rhead.status)
+            && let Some(store) = inflight.store
+        {
+            store(id);
         }
         if take > 0 && first_body_at.is_none() {
             // The first body byte, not the head: an engine streaming an
@@ -382,7 +390,6 @@ pub async fn forward(
         usage: usage.report(),
         streaming,
         first_body_at,
-        response_id: response_id.and_then(IdScanner::id),
     })
 }
 

@@ -419,7 +419,11 @@ async fn attempt(
         .as_deref()
         .zip(c.blocks.shared_as)
         .map(|(r, id)| (r, backend.id_hash, id));
+    let store = |id: &str| router.stored_response(id, backend);
     let mut sending = forward::Sending::new(inflight, shared);
+    if at.stores_answer {
+        sending.store = Some(&store);
+    }
     let sent = forward::forward(&worker.pool, cfg, c, req, at, &mut sending).await;
     drop(sending);
     let answer = match sent {
@@ -439,9 +443,6 @@ async fn attempt(
     // the body. Its usage says nothing of what the router predicted.
     let continues = at.decision == Decision::Stored;
     if (200..300).contains(&answer.status) {
-        if let Some(id) = &answer.response_id {
-            router.stored_response(id, backend);
-        }
         if let Reported::Valid(u) = answer.usage
             && let Some(keys) = &cfg.loaded.keys
             && let Some(k) = c.key.and_then(|k| keys.counts(k))
