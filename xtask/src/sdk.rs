@@ -93,7 +93,8 @@ pub fn ensure() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn run(cmd: &mut Command, what: &str) -> anyhow::Result<()> {
+/// Runs a set-up step; its failure names it.
+pub(crate) fn run(cmd: &mut Command, what: &str) -> anyhow::Result<()> {
     let status = cmd.status().with_context(|| what.to_string())?;
     if !status.success() {
         bail!("{what} failed: {status}");
