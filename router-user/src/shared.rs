@@ -24,7 +24,7 @@ use crate::fleet::models::{self, Member, ModelStats, Models, Served};
 use crate::fleet::owners::BackendSet;
 use crate::fleet::stored::StoredResponses;
 use crate::metrics::{Metrics, Sources};
-use crate::policy::select::{self, BackendLoad, Choice, Policy, RouteInput};
+use crate::policy::select::{self, BackendLoad, Choice, Decision, Policy, RouteInput};
 use crate::precise::Precise;
 use crate::precise::keys::{EngineTokens, PromptText};
 use crate::precise::offload::Job;
@@ -209,6 +209,37 @@ pub struct Routed {
     pub fleet: Arc<Fleet>,
     /// The counters of the request's model.
     pub model: Arc<ModelStats>,
+}
+
+impl Routed {
+    /// Pins the choice to `backend` (its URL's hash), the engine that
+    /// stored the response a request names, and no other: no candidate
+    /// while it is at `max_in_flight` (the request waits for it); `false`
+    /// when it left the fleet or is down (its memory went with it).
+    pub fn pin_stored(&mut self, backend: u64, max_in_flight: u32, prompt_blocks: u32) -> bool {
+        let Some(pos) = self
+            .fleet
+            .backends
+            .iter()
+            .position(|b| b.id_hash == backend && b.health.is_healthy())
+        else {
+            return false;
+        };
+        let ch = &mut self.choice;
+        if !self.fleet.backends[pos].has_room(max_in_flight) {
+            ch.len = 0;
+            return true;
+        }
+        if ch.first() != Some(pos) {
+            ch.matched_blocks = 0;
+            ch.shared_blocks = 0;
+            ch.prefill_blocks = prompt_blocks;
+        }
+        ch.candidates[0] = pos as u16;
+        ch.len = 1;
+        ch.decision = Decision::Stored;
+        true
+    }
 }
 
 /// What one request gives routing.

@@ -247,28 +247,11 @@ fn apply_pin(
     backend: u64,
     prompt_blocks: u32,
 ) -> Result<(), RouterError> {
-    let Some(pos) = routed
-        .fleet
-        .backends
-        .iter()
-        .position(|b| b.id_hash == backend && b.health.is_healthy())
-    else {
-        return Err(not_stored(id, "the engine that stored it is gone"));
-    };
-    let ch = &mut routed.choice;
-    if !routed.fleet.backends[pos].has_room(cfg.limits.max_in_flight_per_backend) {
-        ch.len = 0;
-        return Ok(());
+    if routed.pin_stored(backend, cfg.limits.max_in_flight_per_backend, prompt_blocks) {
+        Ok(())
+    } else {
+        Err(not_stored(id, "the engine that stored it is gone"))
     }
-    if ch.first() != Some(pos) {
-        ch.matched_blocks = 0;
-        ch.shared_blocks = 0;
-        ch.prefill_blocks = prompt_blocks;
-    }
-    ch.candidates[0] = pos as u16;
-    ch.len = 1;
-    ch.decision = Decision::Stored;
-    Ok(())
 }
 
 /// OpenAI's answer for an id no engine here holds.

@@ -516,28 +516,15 @@ impl StoredPin {
         routed: &mut Routed,
         prompt_blocks: u32,
     ) -> Result<(), RouterError> {
-        let Some(pos) = routed
-            .fleet
-            .backends
-            .iter()
-            .position(|b| b.id_hash == self.backend && b.health.is_healthy())
-        else {
-            return Err(self.gone());
-        };
-        let ch = &mut routed.choice;
-        if !routed.fleet.backends[pos].has_room(cfg.limits.max_in_flight_per_backend) {
-            ch.len = 0;
-            return Ok(());
+        if routed.pin_stored(
+            self.backend,
+            cfg.limits.max_in_flight_per_backend,
+            prompt_blocks,
+        ) {
+            Ok(())
+        } else {
+            Err(self.gone())
         }
-        if ch.first() != Some(pos) {
-            ch.matched_blocks = 0;
-            ch.shared_blocks = 0;
-            ch.prefill_blocks = prompt_blocks;
-        }
-        ch.candidates[0] = pos as u16;
-        ch.len = 1;
-        ch.decision = Decision::Stored;
-        Ok(())
     }
 
     fn gone(&self) -> RouterError {
