@@ -169,6 +169,11 @@ impl IdScanner {
         }
         None
     }
+
+    /// The id, once found.
+    pub fn id(self) -> Option<String> {
+        self.found
+    }
 }
 
 /// The first `"id": "..."` in `hay` whose string ends inside it.
