@@ -1251,7 +1251,29 @@ pub fn run(
                     front.name(),
                     round + 1
                 ));
-                let run = run_one(bins, qs, front, &cfg.timing, n, cfg.restart_at_s)?;
+                let mut run = run_one(bins, qs, front, &cfg.timing, n, cfg.restart_at_s)?;
+                if let Some(f) = run.restart.as_mut() {
+                    // The same traffic with nothing killed: what the
+                    // restarted replica's requests hit without the restart.
+                    tick(&format!(
+                        "{} / {}{times} (round {}, control: no restart)",
+                        qs.label(),
+                        front.name(),
+                        round + 1
+                    ));
+                    let control = run_one(bins, qs, front, &cfg.timing, n, None)?;
+                    f.pair(&run.records, &control.records);
+                    if let Some(p) = &f.paired {
+                        eprintln!(
+                            "  {}: the same {} requests without the restart hit {} (with it {}, {:+.1} points)",
+                            qs.name,
+                            p.restarted.requests,
+                            crate::table::pct(p.unrestarted.hit_rate),
+                            crate::table::pct(p.restarted.hit_rate),
+                            -p.points_behind()
+                        );
+                    }
+                }
                 runs[k].push(QualityRow::of(&run, qs));
             }
         }

@@ -234,6 +234,28 @@ fn check_replica_targets(rows: &[QualityRow], c: &mut Vec<Check>) {
                     margin: format!("{:+.1} points", -behind),
                 });
         }
+        if let Some(p) =
+            crate::replicas::Paired::pooled(r.restarts.iter().filter_map(|f| f.paired.as_ref()))
+        {
+            let behind = p.points_behind();
+            c.push(Check {
+                target: format!(
+                    "{}: 1 of {} replicas restarted: its requests in the {:.0} s after /ready within 1 point of the same requests in a run without the restart ({} runs pooled)",
+                    r.scenario,
+                    r.replicas,
+                    crate::replicas::RESTART_WINDOW_S,
+                    r.restarts.len()
+                ),
+                measured: format!(
+                    "{} vs {} ({} requests)",
+                    pct(p.restarted.hit_rate),
+                    pct(p.unrestarted.hit_rate),
+                    p.restarted.requests
+                ),
+                met: p.restarted.requests > 0 && behind <= 1.0,
+                margin: format!("{:+.1} points", -behind),
+            });
+        }
     }
 }
 
@@ -249,6 +271,7 @@ pub fn restarts_table(rows: &[QualityRow]) -> Table {
         "others: hit rate (requests)",
         "points behind",
         "before the kill: it · others · points behind",
+        "same requests without the restart: with · without · points behind",
         "sent elsewhere",
         "failed",
     ]);
@@ -269,6 +292,17 @@ pub fn restarts_table(rows: &[QualityRow]) -> Table {
                     hits(&f.before),
                     hits(&f.others_before),
                     f.points_behind_before()
+                ),
+                f.paired.map_or_else(
+                    || "-".to_string(),
+                    |p| {
+                        format!(
+                            "{} · {} · {:+.1}",
+                            hits(&p.restarted),
+                            hits(&p.unrestarted),
+                            p.points_behind()
+                        )
+                    },
                 ),
                 f.rerouted.to_string(),
                 f.failed.to_string(),

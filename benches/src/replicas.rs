@@ -109,6 +109,20 @@ impl Hits {
         }
         h
     }
+
+    /// Both sets' requests together.
+    pub fn plus(&self, o: &Hits) -> Hits {
+        let mut h = Hits {
+            requests: self.requests + o.requests,
+            prompt_tokens: self.prompt_tokens + o.prompt_tokens,
+            cached_tokens: self.cached_tokens + o.cached_tokens,
+            hit_rate: 0.0,
+        };
+        if h.prompt_tokens > 0 {
+            h.hit_rate = h.cached_tokens as f64 / h.prompt_tokens as f64;
+        }
+        h
+    }
 }
 
 /// When a replica was killed and when it was ready again.
@@ -196,6 +210,41 @@ pub struct RestartFigures {
     pub rerouted: u64,
     /// Its requests that failed (in flight when it was killed).
     pub failed: u64,
+    /// The window's requests beside the same requests in a run of the
+    /// same traffic where no replica was killed (`None` until paired).
+    #[serde(default)]
+    pub paired: Option<Paired>,
+}
+
+/// The requests a restarted replica served in its window, and the same
+/// requests (by conversation and turn, drawn for the same replica from the
+/// same seed) in a control run where nothing was killed: what the restart
+/// cost them, without the difference between one replica's share of the
+/// traffic and another's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Paired {
+    /// In the run with the restart, those that succeeded in both runs.
+    pub restarted: Hits,
+    /// The same requests in the control run.
+    pub unrestarted: Hits,
+}
+
+impl Paired {
+    /// How many points the restart cost the window's requests.
+    pub fn points_behind(&self) -> f64 {
+        (self.unrestarted.hit_rate - self.restarted.hit_rate) * 100.0
+    }
+
+    /// The sum over several windows (the restarts of one row's runs).
+    pub fn pooled<'a>(all: impl IntoIterator<Item = &'a Paired>) -> Option<Paired> {
+        let mut p: Option<Paired> = None;
+        for x in all {
+            let q = p.get_or_insert_with(Paired::default);
+            q.restarted = q.restarted.plus(&x.restarted);
+            q.unrestarted = q.unrestarted.plus(&x.unrestarted);
+        }
+        p
+    }
 }
 
 impl RestartFigures {
@@ -227,7 +276,32 @@ impl RestartFigures {
             window_s: (to.min(end) - from).max(0.0) / 1e3,
             rerouted,
             failed: records.iter().filter(mine).filter(|r| !r.ok()).count() as u64,
+            paired: None,
         }
+    }
+
+    /// Pairs the window's requests in `records` (the run with the restart)
+    /// with the same conversations' turns in `control`, a run of the same
+    /// traffic where nothing was killed.
+    pub fn pair(&mut self, records: &[Record], control: &[Record]) {
+        let from = (self.killed_at_s + self.ready_after_s) * 1e3;
+        let to = from + crate::replicas::RESTART_WINDOW_S * 1e3;
+        let key = |r: &Record| (r.session, r.turn);
+        let there: std::collections::HashMap<(u64, u32), &Record> = control
+            .iter()
+            .filter(|r| r.ok())
+            .map(|r| (key(r), r))
+            .collect();
+        let window: Vec<(&Record, &Record)> = records
+            .iter()
+            .filter(|r| r.ok() && r.replica == Some(self.replica as u32))
+            .filter(|r| r.start_ms >= from && r.start_ms < to)
+            .filter_map(|r| there.get(&key(r)).map(|c| (r, *c)))
+            .collect();
+        self.paired = Some(Paired {
+            restarted: Hits::of(window.iter().map(|p| p.0)),
+            unrestarted: Hits::of(window.iter().map(|p| p.1)),
+        });
     }
 
     /// The others' hit rate less the restarted replica's, in points.
@@ -451,6 +525,39 @@ mod tests {
         assert!((f.points_behind() - 20.0).abs() < 1e-9);
         assert_eq!((f.failed, f.rerouted), (1, 3));
         assert_eq!(f.window_s, 5.0);
+    }
+
+    #[test]
+    fn a_restart_is_paired_with_the_same_turns_of_a_run_without_it() {
+        let at = |session: u64, turn: u32, r: Record| Record { session, turn, ..r };
+        let records = vec![
+            at(1, 2, record(1, 10_600.0, 100, 50)),
+            at(2, 1, record(1, 11_000.0, 100, 10)), // failed in the control
+            at(3, 1, record(0, 11_000.0, 100, 90)), // another replica's
+            at(4, 1, record(1, 20_000.0, 100, 0)),  // past the window
+        ];
+        let mut failed = at(2, 1, record(1, 11_500.0, 100, 0));
+        failed.status = 0;
+        let control = vec![
+            at(1, 2, record(1, 10_200.0, 100, 70)),
+            failed,
+            at(3, 1, record(0, 11_000.0, 100, 90)),
+            at(4, 1, record(1, 19_000.0, 100, 90)),
+        ];
+        let t = RestartTimes {
+            killed_at_s: 10.0,
+            ready_after_s: 0.5,
+        };
+        let mut f = RestartFigures::of(&records, t, 1, 2, 0);
+        f.pair(&records, &control);
+        let p = f.paired.unwrap();
+        assert_eq!((p.restarted.requests, p.restarted.hit_rate), (1, 0.5));
+        assert_eq!((p.unrestarted.requests, p.unrestarted.hit_rate), (1, 0.7));
+        assert!((p.points_behind() - 20.0).abs() < 1e-9);
+        let two = Paired::pooled([&p, &p]).unwrap();
+        assert_eq!(two.restarted.requests, 2);
+        assert!((two.points_behind() - 20.0).abs() < 1e-9);
+        assert_eq!(Paired::pooled([]), None);
     }
 
     #[test]
