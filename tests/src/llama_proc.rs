@@ -39,18 +39,10 @@ pub struct LlamaPaths {
     pub model: PathBuf,
 }
 
-/// The cache root: `$PREFIX_ROUTER_CACHE_DIR`, else
-/// `$XDG_CACHE_HOME/prefix-router`, else `~/.cache/prefix-router`.
-pub fn cache_root() -> PathBuf {
-    if let Some(p) = std::env::var_os("PREFIX_ROUTER_CACHE_DIR") {
-        return PathBuf::from(p);
-    }
-    if let Some(p) = std::env::var_os("XDG_CACHE_HOME").filter(|p| !p.is_empty()) {
-        return PathBuf::from(p).join("prefix-router");
-    }
-    let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
-    PathBuf::from(home).join(".cache/prefix-router")
-}
+#[path = "../../xtask/src/cache_root.rs"]
+mod cache_dir;
+/// The cache root `cargo xtask setup` fills (the same source file as xtask's).
+pub use cache_dir::root as cache_root;
 
 /// The server and the model, or why they are not there.
 pub fn paths() -> Result<LlamaPaths, String> {

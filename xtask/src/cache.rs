@@ -2,8 +2,7 @@
 //! one machine reuse it: the cache root, pinned Python virtualenvs, and the
 //! step runner every install uses.
 //!
-//! The root is `$PREFIX_ROUTER_CACHE_DIR`, else `$XDG_CACHE_HOME/prefix-router`,
-//! else `~/.cache/prefix-router`. A virtualenv holds a marker file with the
+//! The root is `cache_root.rs`'s. A virtualenv holds a marker file with the
 //! pins it was made with; other pins (or none) mean it is made again, under
 //! a `<venv>.lock` flock so two runs never install into one folder.
 
@@ -14,17 +13,7 @@ use std::time::Instant;
 
 use anyhow::{Context, bail};
 
-/// The cache root shared by every clone on this machine.
-pub fn root() -> PathBuf {
-    if let Some(p) = std::env::var_os("PREFIX_ROUTER_CACHE_DIR") {
-        return PathBuf::from(p);
-    }
-    if let Some(p) = std::env::var_os("XDG_CACHE_HOME").filter(|p| !p.is_empty()) {
-        return PathBuf::from(p).join("prefix-router");
-    }
-    let home = std::env::var_os("HOME").unwrap_or_else(|| "/root".into());
-    PathBuf::from(home).join(".cache/prefix-router")
-}
+pub use crate::cache_root::root;
 
 /// Runs a set-up step; its failure names it.
 pub fn step(cmd: &mut Command, what: &str) -> anyhow::Result<()> {

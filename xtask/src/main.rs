@@ -9,6 +9,7 @@
 
 mod bench;
 mod cache;
+mod cache_root;
 mod demo;
 mod envoy;
 mod harness;
