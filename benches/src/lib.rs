@@ -32,6 +32,8 @@
 //!   a replica killed and restarted mid-run, each one's stream's bytes;
 //! - [`bandwidth`]: sharing replicas' streams at 1,000 requests/s on
 //!   zero-cost engines;
+//! - [`tenants`]: two tenants of one class, the small one's TTFT alone
+//!   and beside a big one, split from the records by tenant;
 //! - [`micro`]: criterion's figures read back from its output folder;
 //! - [`report`], [`quality_report`], [`charts`]: Markdown, JSON, SVG, and
 //!   the comparison with a previous run.
@@ -65,3 +67,4 @@ pub mod replicas;
 pub mod report;
 pub mod scenarios;
 pub mod table;
+pub mod tenants;

@@ -228,6 +228,7 @@ mod tests {
             instance: None,
             decision: None,
             replica: None,
+            tenant: None,
         }
     }
 

@@ -929,6 +929,10 @@ pub struct QualityRow {
     /// What each sharing replica's stream published, run by run.
     #[serde(default)]
     pub bandwidth: Vec<crate::replicas::ReplicaTraffic>,
+    /// The small and the big tenant's requests apart, on a row whose
+    /// traffic names its tenants ([`crate::tenants`]).
+    #[serde(default)]
+    pub tenants: Option<crate::tenants::TenantFigures>,
 }
 
 impl QualityRow {
@@ -978,6 +982,9 @@ impl QualityRow {
                 })
             })
             .collect();
+        let split: Vec<crate::tenants::TenantFigures> =
+            runs.iter().filter_map(|x| x.tenants).collect();
+        r.tenants = crate::tenants::TenantFigures::median(&split);
         r
     }
 
@@ -1024,6 +1031,7 @@ impl QualityRow {
             routing: run.routing,
             restarts: run.restart.iter().cloned().collect(),
             bandwidth: run.bandwidth.clone(),
+            tenants: crate::tenants::TenantFigures::of(&run.records),
         }
     }
 }
@@ -1284,7 +1292,7 @@ pub fn run(
 }
 
 /// The median of `v` (the upper one of an even count; 0 when empty).
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     if v.is_empty() {
         return 0.0;
     }

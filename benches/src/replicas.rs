@@ -497,6 +497,7 @@ mod tests {
             instance: None,
             decision: None,
             replica: Some(replica),
+            tenant: None,
         }
     }
 

@@ -482,6 +482,68 @@ pub fn surge() -> QualityScenario {
     r
 }
 
+/// The body's `user` of the tenant rows' small and big tenant:
+/// `benches/configs/tenants.toml` names a tenant for each. The small
+/// tenant's traffic is the row's own workload, the big one's the second.
+pub const SMALL_TENANT: &str = "tenant-small";
+pub const BIG_TENANT: &str = "tenant-big";
+
+/// The config that names the two tenants, from the repository's root.
+pub const TENANTS_CONFIG: &str = "benches/configs/tenants.toml";
+
+/// The small tenant's templated requests per simulated s (SMALL_RATE x 4
+/// a real second at the bench's time scale); the big tenant sends
+/// [`BIG_OVER_SMALL`] times as many.
+pub const SMALL_RATE: f64 = 3.0;
+pub const BIG_OVER_SMALL: f64 = 10.0;
+
+/// One tenant's traffic: the templated batch (single-turn requests from
+/// 16 few-shot templates of its own, answered in 24 tokens) at `rate`
+/// per simulated s, each request sent as `user`.
+fn tenant_traffic(user: &str, rate: f64) -> QualityScenario {
+    let mut t = templated_batch();
+    t.drive.arrivals_per_s = Some(rate);
+    t.scenario.max_tokens = 24;
+    t.scenario.user = Some(user.into());
+    t
+}
+
+/// Two tenants of the default class on the capped engines: the small one
+/// alone (`capped-tenant-alone`), and beside a big one sending 10 times
+/// as much, together above what the fleet serves (`capped-tenants`). Each
+/// tenant fills its own 16 templates (another seed); every cache holds a
+/// third of both tenants' templates on both rows. Run with and without
+/// `benches/configs/tenants.toml`, which names the two tenants.
+pub fn tenant_rows() -> Vec<QualityScenario> {
+    let row = |name: &str, about: String, alongside: Option<QualityScenario>| {
+        let mut r = tenant_traffic(SMALL_TENANT, SMALL_RATE);
+        r.name = name.into();
+        r.about = about;
+        r.kv_blocks = 2 * third_of_templates() + 64;
+        r.capped = Some(CAPPED);
+        r.alongside = alongside.map(Box::new);
+        r.policies = vec!["prefix".into(), format!("prefix+{TENANTS_CONFIG}")];
+        r
+    };
+    let big = SMALL_RATE * BIG_OVER_SMALL;
+    vec![
+        row(
+            "capped-tenant-alone",
+            format!(
+                "3 engines of 6 running requests each, a small tenant's templated requests (user {SMALL_TENANT}) at {SMALL_RATE} per simulated s, answered in 24 tokens, open loop; caches that hold a third of two tenants' templates"
+            ),
+            None,
+        ),
+        row(
+            "capped-tenants",
+            format!(
+                "as capped-tenant-alone, with a big tenant (user {BIG_TENANT}, templates of its own) at {big} per simulated s beside it, above what the fleet serves"
+            ),
+            Some(tenant_traffic(BIG_TENANT, big)),
+        ),
+    ]
+}
+
 /// The name that stands for [`capped_rows`] in `--scenario`.
 pub const CAPPED_SET: &str = "capped";
 
@@ -511,6 +573,7 @@ pub fn all() -> Vec<QualityScenario> {
     let mut v = named_scenarios();
     v.extend(cache_pressure_extras());
     v.extend(capped_rows());
+    v.extend(tenant_rows());
     v.extend(lockstep_scenarios());
     v
 }

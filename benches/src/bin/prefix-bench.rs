@@ -116,10 +116,10 @@ struct QualityArgs {
     /// cache-pressure]. Known: pressure-unpublished, pressure-published,
     /// think-48, hot-prompt, open-loop, think-48-published, templated-batch,
     /// chat-and-batch, capped-chat, capped-restart, capped-chat-and-batch,
-    /// capped-surge, chat, few-shot, hot-prefix, long-doc, agent;
-    /// cache-pressure stands for think-48, think-48-published,
-    /// templated-batch and chat-and-batch, capped for the four capped rows
-    /// (engines that run at most 6 requests at once).
+    /// capped-surge, capped-tenant-alone, capped-tenants, chat, few-shot,
+    /// hot-prefix, long-doc, agent; cache-pressure stands for think-48,
+    /// think-48-published, templated-batch and chat-and-batch, capped for
+    /// the four capped rows (engines that run at most 6 requests at once).
     #[arg(long = "scenario", visible_alias = "scenarios", value_delimiter = ',')]
     scenarios: Vec<String>,
     /// prefix-router policies for every scenario [default: each scenario's

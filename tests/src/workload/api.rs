@@ -185,11 +185,16 @@ pub struct Fields<'a> {
     /// The OpenAI API's `service_tier` (`priority`, `default`, `flex`),
     /// sent on every API when set.
     pub service_tier: Option<&'a str>,
+    /// The `user` sent in place of the conversation's own (a tenant).
+    pub user: Option<&'a str>,
 }
 
 impl Fields<'_> {
     fn user(&self) -> String {
-        format!("session-{}", self.session)
+        match self.user {
+            Some(u) => u.to_string(),
+            None => format!("session-{}", self.session),
+        }
     }
 }
 

@@ -47,6 +47,10 @@ pub struct Record {
     /// there were several.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replica: Option<u32>,
+    /// The `user` it was sent as, when its workload names one for all its
+    /// requests (a tenant: `Scenario::user`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
 }
 
 impl Record {
@@ -255,6 +259,7 @@ mod tests {
             instance: instance.map(String::from),
             decision: None,
             replica: None,
+            tenant: None,
         }
     }
 

@@ -170,6 +170,7 @@ impl Ctx {
             session,
             stream: self.cfg.stream,
             service_tier: self.cfg.scenario.service_tier.as_deref(),
+            user: self.cfg.scenario.user.as_deref(),
         };
         self.cfg.api.body(&fields, messages, previous)
     }
@@ -249,6 +250,7 @@ impl Ctx {
                 instance: o.instance.clone(),
                 decision: o.decision.clone(),
                 replica: (self.clients.len() > 1).then_some(replica as u32),
+                tenant: self.cfg.scenario.user.clone(),
             };
             let ok = rec.ok();
             if !ok {

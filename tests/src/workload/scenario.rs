@@ -85,6 +85,12 @@ pub struct Scenario {
     /// router may hold back while engines are busy); `None`: not sent.
     #[serde(default)]
     pub service_tier: Option<String>,
+    /// Sent as every request's `user` in place of the conversation's own
+    /// (`session-N`): the tenant the traffic belongs to, as a router's
+    /// `[classes.tenants]` finds it; the records carry it as `tenant`.
+    /// `None`: each conversation its own user.
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 impl Scenario {
@@ -104,6 +110,7 @@ impl Scenario {
             prefix_tokens_min: 0,
             user_tokens_max: 0,
             service_tier: None,
+            user: None,
         };
         match kind {
             ScenarioKind::Chat => base,

@@ -41,6 +41,7 @@ fn fields(stream: bool) -> Fields<'static> {
         session: 7,
         stream,
         service_tier: None,
+        user: None,
     }
 }
 
@@ -72,6 +73,19 @@ fn engine_tokens(api: Api, body: &[u8], store: &Store) -> Vec<u32> {
                 .tokens
         }
     }
+}
+
+#[test]
+fn a_tenant_is_every_request_s_user() {
+    let c = chat();
+    let f = Fields {
+        user: Some("tenant-small"),
+        ..fields(true)
+    };
+    let v = json_of(&Api::Chat.body(&f, &c, None));
+    assert_eq!(v["user"], "tenant-small");
+    let v = json_of(&Api::Messages.body(&f, &c, None));
+    assert_eq!(v["metadata"]["user_id"], "tenant-small");
 }
 
 #[test]

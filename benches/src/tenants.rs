@@ -1,0 +1,219 @@
+//! Two tenants of one class on the capped engines: the small tenant's TTFT
+//! alone (`capped-tenant-alone`) and beside a big tenant sending ten times
+//! as much (`capped-tenants`), and what became of the big one's requests.
+//! Each request is told apart by the `user` it was sent as
+//! (`Record::tenant`, [`crate::scenarios::SMALL_TENANT`] and
+//! [`crate::scenarios::BIG_TENANT`]).
+
+use crate::quality::QualityRow;
+use crate::scenarios::{BIG_TENANT, SMALL_TENANT};
+use crate::table::{Check, Table};
+use serde::{Deserialize, Serialize};
+use std::fmt::Write as _;
+use testkit::workload::{Percentiles, Record};
+
+/// The row with the small tenant alone, and the row with both.
+pub const ALONE: &str = "capped-tenant-alone";
+pub const TOGETHER: &str = "capped-tenants";
+
+/// The target: the small tenant's TTFT p99 beside the big one at most
+/// this many times its p99 alone.
+pub const P99_OVER_ALONE: f64 = 1.25;
+
+/// One run's requests split by tenant.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TenantFigures {
+    /// The small tenant's requests answered, and their TTFT.
+    pub small_answered: u64,
+    pub small_ttft_p50_ms: f64,
+    pub small_ttft_p99_ms: f64,
+    /// The small tenant's requests refused (429 or 503).
+    pub small_refused: u64,
+    /// The big tenant's requests sent (0: it did not run), answered, and
+    /// refused (429 or 503: its wait in the router over, or too many of
+    /// its requests waiting already).
+    pub big_sent: u64,
+    pub big_answered: u64,
+    pub big_refused: u64,
+    /// Either tenant's requests that failed otherwise (no answer, another
+    /// status).
+    pub failed: u64,
+}
+
+/// An answer that says "not now": the router's 429 and 503 (both with
+/// Retry-After).
+fn refused(r: &Record) -> bool {
+    matches!(r.status, 429 | 503)
+}
+
+impl TenantFigures {
+    /// The split of a run's records; `None` when no request was the
+    /// small tenant's (another row).
+    pub fn of(records: &[Record]) -> Option<TenantFigures> {
+        let of = |t: &'static str| {
+            records
+                .iter()
+                .filter(move |r| r.tenant.as_deref() == Some(t))
+        };
+        if of(SMALL_TENANT).next().is_none() {
+            return None;
+        }
+        let ttft = Percentiles::of(
+            of(SMALL_TENANT)
+                .filter(|r| r.ok())
+                .filter_map(|r| r.ttft_ms)
+                .collect(),
+        );
+        let count = |t: &'static str, f: fn(&Record) -> bool| of(t).filter(|r| f(r)).count() as u64;
+        Some(TenantFigures {
+            small_answered: count(SMALL_TENANT, Record::ok),
+            small_ttft_p50_ms: ttft.p50,
+            small_ttft_p99_ms: ttft.p99,
+            small_refused: count(SMALL_TENANT, refused),
+            big_sent: of(BIG_TENANT).count() as u64,
+            big_answered: count(BIG_TENANT, Record::ok),
+            big_refused: count(BIG_TENANT, refused),
+            failed: [SMALL_TENANT, BIG_TENANT]
+                .iter()
+                .map(|t| count(t, |r| !r.ok() && !refused(r)))
+                .sum(),
+        })
+    }
+
+    /// Repeated runs as one: TTFTs are the medians of the runs', counts
+    /// their sums (as the rows' requests).
+    pub fn median(runs: &[TenantFigures]) -> Option<TenantFigures> {
+        runs.first()?;
+        let m = |f: fn(&TenantFigures) -> f64| crate::quality::median(runs.iter().map(f).collect());
+        let sum = |f: fn(&TenantFigures) -> u64| runs.iter().map(f).sum();
+        Some(TenantFigures {
+            small_answered: sum(|t| t.small_answered),
+            small_ttft_p50_ms: m(|t| t.small_ttft_p50_ms),
+            small_ttft_p99_ms: m(|t| t.small_ttft_p99_ms),
+            small_refused: sum(|t| t.small_refused),
+            big_sent: sum(|t| t.big_sent),
+            big_answered: sum(|t| t.big_answered),
+            big_refused: sum(|t| t.big_refused),
+            failed: sum(|t| t.failed),
+        })
+    }
+
+    /// The small tenant's TTFT p99 here over its p99 in `alone`.
+    pub fn p99_over(&self, alone: &TenantFigures) -> f64 {
+        self.small_ttft_p99_ms / alone.small_ttft_p99_ms.max(1e-9)
+    }
+}
+
+/// The small tenant alone, for a row with both under `r`'s router: the
+/// alone row of the same router, else of its policy without a config file
+/// (one tenant alone never fills the fleet, so the file changes nothing
+/// there), else the first alone row.
+pub fn alone_for<'a>(rows: &'a [QualityRow], r: &QualityRow) -> Option<&'a QualityRow> {
+    let alone = |p: Option<&str>| {
+        rows.iter().find(|a| {
+            a.scenario == ALONE
+                && a.replicas == r.replicas
+                && a.tenants.is_some()
+                && p.is_none_or(|p| a.policy == p)
+        })
+    };
+    let base = r.policy.split(crate::quality::CONFIG_SEPARATOR).next();
+    alone(Some(&r.policy))
+        .or_else(|| alone(base))
+        .or_else(|| alone(None))
+}
+
+/// Each tenant row's split, the small tenant beside its figures alone.
+pub fn table(rows: &[QualityRow]) -> Table {
+    let mut t = Table::new(&[
+        "scenario",
+        "router",
+        "small: answered (refused)",
+        "small: TTFT p50 / p99 ms",
+        "alone: p50 / p99 ms",
+        "p99 over alone",
+        "big: sent",
+        "big: answered",
+        "big: refused",
+        "failed",
+    ]);
+    for r in rows {
+        let Some(f) = &r.tenants else { continue };
+        let alone = (r.scenario != ALONE)
+            .then(|| alone_for(rows, r))
+            .flatten()
+            .and_then(|a| a.tenants.as_ref());
+        let big = |n: u64| {
+            if f.big_sent == 0 {
+                "-".to_string()
+            } else {
+                n.to_string()
+            }
+        };
+        t.row(vec![
+            r.scenario.clone(),
+            r.policy.clone(),
+            format!("{} ({})", f.small_answered, f.small_refused),
+            format!("{:.1} / {:.1}", f.small_ttft_p50_ms, f.small_ttft_p99_ms),
+            alone.map_or("-".into(), |a| {
+                format!("{:.1} / {:.1}", a.small_ttft_p50_ms, a.small_ttft_p99_ms)
+            }),
+            alone.map_or("-".into(), |a| format!("{:.2}x", f.p99_over(a))),
+            big(f.big_sent),
+            big(f.big_answered),
+            big(f.big_refused),
+            f.failed.to_string(),
+        ]);
+    }
+    t
+}
+
+/// The report's section on the tenant rows (empty when none ran).
+pub fn markdown(rows: &[QualityRow]) -> String {
+    let mut m = String::new();
+    if !rows.iter().any(|r| r.tenants.is_some()) {
+        return m;
+    }
+    let _ = writeln!(m, "### Two tenants of one class\n");
+    let _ = writeln!(m, "{}\n", table(rows).markdown());
+    let _ = writeln!(
+        m,
+        "The small tenant's requests (`user` {SMALL_TENANT}) split from the big one's (`user` {BIG_TENANT}) by the `user` each was sent as; TTFT over the small tenant's answered requests; alone = the same router's `{ALONE}` row (else the same policy's without a config file). Refused = answered 429 or 503 (with Retry-After); failed = no answer or another status.\n"
+    );
+    m
+}
+
+/// On every `capped-tenants` row of one of prefix-router's fronts with
+/// an alone row to compare: the small tenant's TTFT p99 beside the big
+/// one at most [`P99_OVER_ALONE`] times its p99 alone.
+pub fn check_targets(rows: &[QualityRow], c: &mut Vec<Check>) {
+    for r in rows.iter().filter(|r| r.scenario == TOGETHER && !r.peer) {
+        let (Some(f), Some(a)) = (
+            r.tenants.as_ref(),
+            alone_for(rows, r).and_then(|a| a.tenants.as_ref()),
+        ) else {
+            continue;
+        };
+        let ratio = f.p99_over(a);
+        c.push(Check {
+            target: format!(
+                "{TOGETHER} ({}): small tenant's TTFT p99 with the big one <= {P99_OVER_ALONE}x alone",
+                r.policy
+            ),
+            measured: format!(
+                "{:.1} ms vs {:.1} ms alone (p50 {:.1} vs {:.1}); big tenant {} answered, {} refused",
+                f.small_ttft_p99_ms,
+                a.small_ttft_p99_ms,
+                f.small_ttft_p50_ms,
+                a.small_ttft_p50_ms,
+                f.big_answered,
+                f.big_refused
+            ),
+            met: f.small_answered > 0 && ratio <= P99_OVER_ALONE,
+            margin: format!("{ratio:.2}x"),
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests;
