@@ -383,6 +383,8 @@ pub struct PolicyRun {
     pub restart: Option<crate::replicas::RestartFigures>,
     /// What each sharing replica's stream published during the workload.
     pub bandwidth: Vec<crate::replicas::ReplicaTraffic>,
+    /// How long the tenant rows' tenants waited in prefix-router.
+    pub tenant_waits: crate::tenants::RouterWaits,
 }
 
 impl PolicyRun {
@@ -849,6 +851,13 @@ pub fn run_one(
         .map(|r| RoutingTime::parse(&r.metrics().unwrap_or_default()))
         .collect();
     let routing = combined_routing(&times);
+    // How long each tenant's requests waited in the router (one replica).
+    let tenant_waits = routers
+        .first()
+        .and_then(Running::ours)
+        .and_then(|r| r.metrics().ok())
+        .map(|m| crate::tenants::RouterWaits::parse(&m))
+        .unwrap_or_default();
     drop(routers);
     drop(config_files);
     drop(engines);
@@ -863,6 +872,7 @@ pub fn run_one(
         load,
         restart,
         bandwidth,
+        tenant_waits,
     })
 }
 
@@ -1031,7 +1041,7 @@ impl QualityRow {
             routing: run.routing,
             restarts: run.restart.iter().cloned().collect(),
             bandwidth: run.bandwidth.clone(),
-            tenants: crate::tenants::TenantFigures::of(&run.records),
+            tenants: crate::tenants::TenantFigures::of(&run.records, run.tenant_waits),
         }
     }
 }
@@ -1428,6 +1438,7 @@ mod tests {
             load: Default::default(),
             restart: None,
             bandwidth: Vec::new(),
+            tenant_waits: Default::default(),
         };
         let rows: Vec<QualityRow> = [(0.7, 900.0), (0.5, 300.0), (0.6, 100.0)]
             .iter()
@@ -1511,6 +1522,7 @@ mod tests {
                     load: Default::default(),
                     restart: None,
                     bandwidth: Vec::new(),
+                    tenant_waits: Default::default(),
                 },
                 &qs,
             );

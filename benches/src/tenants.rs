@@ -38,6 +38,46 @@ pub struct TenantFigures {
     /// Either tenant's requests that failed otherwise (no answer, another
     /// status).
     pub failed: u64,
+    /// How long each tenant's requests waited in prefix-router for room,
+    /// by its own count (none: no tenants configured, or another router).
+    #[serde(default)]
+    pub waits: RouterWaits,
+}
+
+/// The mean wait in the router of the tenants `benches/configs/tenants.toml`
+/// names [`SMALL_NAME`] and [`BIG_NAME`], in ms, from its
+/// `prefix_router_class_wait_seconds` (`None`: none of theirs waited).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RouterWaits {
+    pub small_ms: Option<f64>,
+    pub big_ms: Option<f64>,
+}
+
+/// The tenants' names in `benches/configs/tenants.toml`.
+pub const SMALL_NAME: &str = "small";
+pub const BIG_NAME: &str = "big";
+
+impl RouterWaits {
+    /// Reads the means from a router's `/metrics` text.
+    pub fn parse(metrics: &str) -> RouterWaits {
+        let mean = |tenant: &str| {
+            let label = format!("tenant=\"{tenant}\"");
+            let value = |suffix: &str| {
+                let name = format!("prefix_router_class_wait_seconds{suffix}{{");
+                metrics
+                    .lines()
+                    .filter(|l| l.starts_with(&name) && l.contains(&label))
+                    .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                    .sum::<f64>()
+            };
+            let (sum, count) = (value("_sum"), value("_count"));
+            (count > 0.0).then(|| sum / count * 1e3)
+        };
+        RouterWaits {
+            small_ms: mean(SMALL_NAME),
+            big_ms: mean(BIG_NAME),
+        }
+    }
 }
 
 /// An answer that says "not now": the router's 429 and 503 (both with
@@ -49,15 +89,13 @@ fn refused(r: &Record) -> bool {
 impl TenantFigures {
     /// The split of a run's records; `None` when no request was the
     /// small tenant's (another row).
-    pub fn of(records: &[Record]) -> Option<TenantFigures> {
+    pub fn of(records: &[Record], waits: RouterWaits) -> Option<TenantFigures> {
         let of = |t: &'static str| {
             records
                 .iter()
                 .filter(move |r| r.tenant.as_deref() == Some(t))
         };
-        if of(SMALL_TENANT).next().is_none() {
-            return None;
-        }
+        of(SMALL_TENANT).next()?;
         let ttft = Percentiles::of(
             of(SMALL_TENANT)
                 .filter(|r| r.ok())
@@ -77,6 +115,7 @@ impl TenantFigures {
                 .iter()
                 .map(|t| count(t, |r| !r.ok() && !refused(r)))
                 .sum(),
+            waits,
         })
     }
 
@@ -86,6 +125,10 @@ impl TenantFigures {
         runs.first()?;
         let m = |f: fn(&TenantFigures) -> f64| crate::quality::median(runs.iter().map(f).collect());
         let sum = |f: fn(&TenantFigures) -> u64| runs.iter().map(f).sum();
+        let m_opt = |f: fn(&TenantFigures) -> Option<f64>| {
+            let v: Vec<f64> = runs.iter().filter_map(f).collect();
+            (!v.is_empty()).then(|| crate::quality::median(v))
+        };
         Some(TenantFigures {
             small_answered: sum(|t| t.small_answered),
             small_ttft_p50_ms: m(|t| t.small_ttft_p50_ms),
@@ -95,6 +138,10 @@ impl TenantFigures {
             big_answered: sum(|t| t.big_answered),
             big_refused: sum(|t| t.big_refused),
             failed: sum(|t| t.failed),
+            waits: RouterWaits {
+                small_ms: m_opt(|t| t.waits.small_ms),
+                big_ms: m_opt(|t| t.waits.big_ms),
+            },
         })
     }
 
@@ -132,6 +179,7 @@ pub fn table(rows: &[QualityRow]) -> Table {
         "small: TTFT p50 / p99 ms",
         "alone: p50 / p99 ms",
         "p99 over alone",
+        "mean wait in the router ms: small / big",
         "big: sent",
         "big: answered",
         "big: refused",
@@ -159,6 +207,11 @@ pub fn table(rows: &[QualityRow]) -> Table {
                 format!("{:.1} / {:.1}", a.small_ttft_p50_ms, a.small_ttft_p99_ms)
             }),
             alone.map_or("-".into(), |a| format!("{:.2}x", f.p99_over(a))),
+            format!(
+                "{} / {}",
+                f.waits.small_ms.map_or("-".into(), |w| format!("{w:.1}")),
+                f.waits.big_ms.map_or("-".into(), |w| format!("{w:.1}"))
+            ),
             big(f.big_sent),
             big(f.big_answered),
             big(f.big_refused),
@@ -178,7 +231,7 @@ pub fn markdown(rows: &[QualityRow]) -> String {
     let _ = writeln!(m, "{}\n", table(rows).markdown());
     let _ = writeln!(
         m,
-        "The small tenant's requests (`user` {SMALL_TENANT}) split from the big one's (`user` {BIG_TENANT}) by the `user` each was sent as; TTFT over the small tenant's answered requests; alone = the same router's `{ALONE}` row (else the same policy's without a config file). Refused = answered 429 or 503 (with Retry-After); failed = no answer or another status.\n"
+        "The small tenant's requests (`user` {SMALL_TENANT}) split from the big one's (`user` {BIG_TENANT}) by the `user` each was sent as; TTFT over the small tenant's answered requests; alone = the same router's `{ALONE}` row (else the same policy's without a config file). Mean wait in the router: each tenant's time waiting in prefix-router for room, by its `prefix_router_class_wait_seconds` (tenants `{SMALL_NAME}` and `{BIG_NAME}` of `benches/configs/tenants.toml`; `-`: none waited); the rest of a TTFT is the engine's. Refused = answered 429 or 503 (with Retry-After); failed = no answer or another status.\n"
     );
     m
 }

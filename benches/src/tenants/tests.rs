@@ -48,7 +48,7 @@ fn records_split_by_the_user_they_were_sent_as() {
     v.extend((0..25).map(|_| rec(BIG_TENANT, 503, 0.0)));
     v.extend((0..25).map(|_| rec(BIG_TENANT, 429, 0.0)));
     v.push(rec(BIG_TENANT, 502, 0.0));
-    let f = TenantFigures::of(&v).expect("the small tenant's requests");
+    let f = TenantFigures::of(&v, RouterWaits::default()).expect("the small tenant's requests");
     assert_eq!(
         f,
         TenantFigures {
@@ -60,14 +60,15 @@ fn records_split_by_the_user_they_were_sent_as() {
             big_answered: 30,
             big_refused: 50,
             failed: 1,
+            waits: RouterWaits::default(),
         }
     );
     // Records with no tenant (another row): no split.
     let mut other = rec(SMALL_TENANT, 200, 1.0);
     other.tenant = None;
-    assert_eq!(TenantFigures::of(&[other]), None);
+    assert_eq!(TenantFigures::of(&[other], RouterWaits::default()), None);
     // The small tenant alone: no big one.
-    let alone = TenantFigures::of(&v[..101]).unwrap();
+    let alone = TenantFigures::of(&v[..101], RouterWaits::default()).unwrap();
     assert_eq!((alone.big_sent, alone.small_answered), (0, 100));
 }
 
@@ -109,6 +110,19 @@ fn the_target_sets_each_router_s_p99_against_the_small_tenant_alone() {
     check_targets(&rows, &mut c);
     assert!(!c[1].met && c[1].margin == "2.00x");
     let md = markdown(&rows);
-    assert!(md.contains("| capped-tenants | prefix+benches/configs/tenants.toml | 100 (0) | 30.0 / 120.0 | 20.0 / 60.0 | 2.00x | 5000 | 3000 | 2000 | 0 |"), "{md}");
+    assert!(md.contains("| capped-tenants | prefix+benches/configs/tenants.toml | 100 (0) | 30.0 / 120.0 | 20.0 / 60.0 | 2.00x | - / - | 5000 | 3000 | 2000 | 0 |"), "{md}");
     assert!(markdown(&[]).is_empty());
+}
+
+#[test]
+fn each_tenant_s_mean_wait_is_read_from_the_router_s_metrics() {
+    let text = "# TYPE prefix_router_class_wait_seconds histogram\n\
+        prefix_router_class_wait_seconds_sum{class=\"default\",tenant=\"small\"} 0.5\n\
+        prefix_router_class_wait_seconds_count{class=\"default\",tenant=\"small\"} 100\n\
+        prefix_router_class_wait_seconds_bucket{le=\"0.01\",class=\"default\",tenant=\"small\"} 100\n\
+        prefix_router_class_wait_seconds_sum{class=\"default\",tenant=\"big\"} 40.0\n\
+        prefix_router_class_wait_seconds_count{class=\"default\",tenant=\"big\"} 100\n";
+    let w = RouterWaits::parse(text);
+    assert_eq!((w.small_ms, w.big_ms), (Some(5.0), Some(400.0)));
+    assert_eq!(RouterWaits::parse(""), RouterWaits::default());
 }
