@@ -36,6 +36,11 @@ pub struct Args {
     /// beside the policies (root: they run in a network namespace).
     #[arg(long)]
     peers: bool,
+    /// Behind Envoy (installed by setup): prefix-router as the proxy,
+    /// Envoy asking prefix-router as its endpoint picker, and Envoy
+    /// round-robin.
+    #[arg(long, conflicts_with = "engine")]
+    envoy: bool,
     /// More `prefix-bench demo` flags (see `prefix-bench demo --help`).
     #[arg(last = true)]
     rest: Vec<String>,
@@ -80,6 +85,9 @@ pub fn run(a: Args) -> anyhow::Result<()> {
     ];
     if a.peers {
         args.push("--peers=require".into());
+    }
+    if a.envoy {
+        args.push("--policies=prefix,prefix@envoy,envoy-round-robin".into());
     }
     args.extend(a.rest);
     harness::prefix_bench(&bins, &args)
