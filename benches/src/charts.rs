@@ -1,12 +1,21 @@
 //! SVG charts of a demo or bench run (plotters, SVG backend: no fonts or
 //! system libraries needed).
 
+use plotters::coord::Shift;
+use plotters::coord::types::RangedCoordf64;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::Path;
 
 type Res = anyhow::Result<()>;
+
+/// Where a chart draws: an SVG file, or one panel of it.
+type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
+
+/// A chart with plain numbers on both axes.
+type Chart<'a> = ChartContext<'a, SVGBackend<'a>, Cartesian2d<RangedCoordf64, RangedCoordf64>>;
 
 /// Points of one engine's series, by engine id.
 pub type Series = BTreeMap<String, Vec<(f64, f64)>>;
@@ -15,10 +24,76 @@ fn err<E: std::fmt::Display>(e: E) -> anyhow::Error {
     anyhow::anyhow!("chart: {e}")
 }
 
+/// A white SVG canvas of `size` pixels, written to `path`.
+fn canvas(path: &Path, size: (u32, u32)) -> anyhow::Result<Area<'_>> {
+    let root = SVGBackend::new(path, size).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    Ok(root)
+}
+
+/// A chart filling the whole canvas: `caption` in `font` points over axes
+/// spanning `x` and `y`.
+fn whole_chart<'a>(
+    root: &Area<'a>,
+    caption: &str,
+    font: i32,
+    x: Range<f64>,
+    y: Range<f64>,
+) -> anyhow::Result<Chart<'a>> {
+    ChartBuilder::on(root)
+        .caption(caption, ("sans-serif", font))
+        .margin(14)
+        .x_label_area_size(40)
+        .y_label_area_size(50)
+        .build_cartesian_2d(x, y)
+        .map_err(err)
+}
+
+/// A bar chart filling the whole canvas, its mesh drawn: group `i` of
+/// `labels` spans `i..i + 1` on x with its label under the middle, `y` is the
+/// value axis with `y_desc` up the side.
+fn group_chart<'a>(
+    root: &Area<'a>,
+    caption: &str,
+    font: i32,
+    labels: &[String],
+    y: Range<f64>,
+    y_desc: &str,
+) -> anyhow::Result<Chart<'a>> {
+    let n = labels.len().max(1);
+    let mut chart = whole_chart(root, caption, font, 0.0..n as f64, y)?;
+    chart
+        .configure_mesh()
+        .disable_x_mesh()
+        .x_labels(n * 2 + 1)
+        .x_label_formatter(&|x| {
+            let i = x.floor() as usize;
+            if (x - i as f64 - 0.5).abs() < 0.26 {
+                labels.get(i).cloned().unwrap_or_default()
+            } else {
+                String::new()
+            }
+        })
+        .y_desc(y_desc)
+        .draw()
+        .map_err(err)?;
+    Ok(chart)
+}
+
+/// The legend of the labelled series, boxed, at `position`.
+fn legend(chart: &mut Chart<'_>, position: SeriesLabelPosition) -> Res {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)
+}
+
 /// Cumulative distribution of TTFT per policy (x: ms, clipped at the largest p99).
 pub fn ttft_cdf(path: &Path, series: &[(String, Vec<f64>)]) -> Res {
-    let root = SVGBackend::new(path, (900, 520)).into_drawing_area();
-    root.fill(&WHITE).map_err(err)?;
+    let root = canvas(path, (900, 520))?;
     let p99 = |v: &Vec<f64>| {
         let mut v = v.clone();
         v.sort_by(f64::total_cmp);
@@ -28,13 +103,13 @@ pub fn ttft_cdf(path: &Path, series: &[(String, Vec<f64>)]) -> Res {
             .unwrap_or(1.0)
     };
     let xmax = series.iter().map(|(_, v)| p99(v)).fold(1.0, f64::max) * 1.05;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("Time to first token, cumulative", ("sans-serif", 22))
-        .margin(14)
-        .x_label_area_size(40)
-        .y_label_area_size(50)
-        .build_cartesian_2d(0.0..xmax, 0.0..1.0)
-        .map_err(err)?;
+    let mut chart = whole_chart(
+        &root,
+        "Time to first token, cumulative",
+        22,
+        0.0..xmax,
+        0.0..1.0,
+    )?;
     chart
         .configure_mesh()
         .x_desc("TTFT (ms)")
@@ -59,21 +134,14 @@ pub fn ttft_cdf(path: &Path, series: &[(String, Vec<f64>)]) -> Res {
                 PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
             });
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.9))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
+    legend(&mut chart, SeriesLabelPosition::LowerRight)?;
     root.present().map_err(err)
 }
 
 /// Requests in flight per engine over time, one panel per policy.
 pub fn load_over_time(path: &Path, panels: &[(String, Series)]) -> Res {
     let h = 260 * panels.len().max(1) as u32;
-    let root = SVGBackend::new(path, (900, h)).into_drawing_area();
-    root.fill(&WHITE).map_err(err)?;
+    let root = canvas(path, (900, h))?;
     let areas = root.split_evenly((panels.len().max(1), 1));
     let ymax = panels
         .iter()
@@ -108,48 +176,23 @@ pub fn load_over_time(path: &Path, panels: &[(String, Series)]) -> Res {
                 .label(engine.as_str())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.9))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        legend(&mut chart, SeriesLabelPosition::UpperRight)?;
     }
     root.present().map_err(err)
 }
 
 /// Hit rate per policy (bars) against the trace's ceiling (outline).
 pub fn hit_rate_bars(path: &Path, bars: &[(String, f64, f64)]) -> Res {
-    let root = SVGBackend::new(path, (900, 460)).into_drawing_area();
-    root.fill(&WHITE).map_err(err)?;
-    let n = bars.len().max(1);
+    let root = canvas(path, (900, 460))?;
     let names: Vec<String> = bars.iter().map(|b| b.0.clone()).collect();
-    let mut chart = ChartBuilder::on(&root)
-        .caption(
-            "Prefix-cache hit rate (filled) and the trace's ceiling (outline)",
-            ("sans-serif", 20),
-        )
-        .margin(14)
-        .x_label_area_size(40)
-        .y_label_area_size(50)
-        .build_cartesian_2d(0.0..n as f64, 0.0..100.0)
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .x_labels(n * 2 + 1)
-        .x_label_formatter(&|x| {
-            let i = x.floor() as usize;
-            if (x - i as f64 - 0.5).abs() < 0.26 {
-                names.get(i).cloned().unwrap_or_default()
-            } else {
-                String::new()
-            }
-        })
-        .y_desc("% of prompt tokens")
-        .draw()
-        .map_err(err)?;
+    let mut chart = group_chart(
+        &root,
+        "Prefix-cache hit rate (filled) and the trace's ceiling (outline)",
+        20,
+        &names,
+        0.0..100.0,
+        "% of prompt tokens",
+    )?;
     for (i, (_, hit, ceiling)) in bars.iter().enumerate() {
         let x0 = i as f64 + 0.2;
         let x1 = i as f64 + 0.8;
@@ -174,8 +217,7 @@ pub fn hit_rate_bars(path: &Path, bars: &[(String, f64, f64)]) -> Res {
 /// per figure (`names`), each the percent change against round-robin's
 /// (below zero: cheaper or sooner), its value written on it.
 pub fn versus_bars(path: &Path, names: &[&str], groups: &[(String, Vec<Option<f64>>)]) -> Res {
-    let root = SVGBackend::new(path, (900, 480)).into_drawing_area();
-    root.fill(&WHITE).map_err(err)?;
+    let root = canvas(path, (900, 480))?;
     let values = groups.iter().flat_map(|(_, v)| v.iter().flatten());
     let lo = values.clone().fold(0.0_f64, |a, &v| a.min(v * 100.0));
     let hi = values.fold(0.0_f64, |a, &v| a.max(v * 100.0));
@@ -184,31 +226,14 @@ pub fn versus_bars(path: &Path, names: &[&str], groups: &[(String, Vec<Option<f6
     let (lo, hi) = (lo - pad, hi + pad + (hi - lo + 2.0 * pad) * 0.4);
     let n = groups.len().max(1);
     let labels: Vec<String> = groups.iter().map(|g| g.0.clone()).collect();
-    let mut chart = ChartBuilder::on(&root)
-        .caption(
-            "Against round-robin: cost per conversation and TTFT (% change; below 0 is better)",
-            ("sans-serif", 18),
-        )
-        .margin(14)
-        .x_label_area_size(40)
-        .y_label_area_size(50)
-        .build_cartesian_2d(0.0..n as f64, lo..hi)
-        .map_err(err)?;
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .x_labels(n * 2 + 1)
-        .x_label_formatter(&|x| {
-            let i = x.floor() as usize;
-            if (x - i as f64 - 0.5).abs() < 0.26 {
-                labels.get(i).cloned().unwrap_or_default()
-            } else {
-                String::new()
-            }
-        })
-        .y_desc("% against round-robin")
-        .draw()
-        .map_err(err)?;
+    let mut chart = group_chart(
+        &root,
+        "Against round-robin: cost per conversation and TTFT (% change; below 0 is better)",
+        18,
+        &labels,
+        lo..hi,
+        "% against round-robin",
+    )?;
     chart
         .draw_series(LineSeries::new([(0.0, 0.0), (n as f64, 0.0)], BLACK))
         .map_err(err)?;
@@ -250,12 +275,6 @@ pub fn versus_bars(path: &Path, names: &[&str], groups: &[(String, Vec<Option<f6
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
         chart.draw_series(texts).map_err(err)?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.9))
-        .border_style(BLACK)
-        .draw()
-        .map_err(err)?;
+    legend(&mut chart, SeriesLabelPosition::UpperRight)?;
     root.present().map_err(err)
 }
