@@ -10,52 +10,14 @@ a sim-engine's, a router's, or anything else that serves `/v1/responses`
 """
 
 import argparse
-import json
-import sys
-import traceback
 
 import openai
 
-# Long enough (over 100 tokens of 4 bytes) that every turn after the first
-# finds whole cached blocks.
-INSTRUCTIONS = (
-    "You are a careful assistant for a travel agency. Answer in short "
-    "sentences, name the sources you rely on, and never invent a price, a "
-    "timetable or an opening hour: when you do not know, say so and point "
-    "the traveller to the official site. Keep every answer under fifty "
-    "words unless the traveller asks for detail. "
-) * 2
+# The Responses API calls the system prompt `instructions`.
+from calls import SYSTEM as INSTRUCTIONS
+from calls import WEATHER, WEATHER_ARGS, emit, finish, run
 
-WEATHER_TOOL = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The current weather of a city.",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-    },
-}
-
-failed = False
-
-
-def emit(call, **fields):
-    print(json.dumps({"call": call, "ok": True, **fields}), flush=True)
-
-
-def run(call, fn):
-    """Runs one call; a failure is printed as a line with `ok: false`."""
-    global failed
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - every failure is reported
-        failed = True
-        print(
-            json.dumps({"call": call, "ok": False, "error": f"{type(e).__name__}: {e}"}),
-            flush=True,
-        )
-        traceback.print_exc(file=sys.stderr)
+WEATHER_TOOL = {"type": "function", **WEATHER, "parameters": WEATHER_ARGS}
 
 
 def usage(u):
@@ -230,7 +192,7 @@ def main():
     run("responses.cancel", cancel)
     run("responses.input_items", input_items)
     run("responses.not_found", not_found)
-    sys.exit(1 if failed else 0)
+    finish()
 
 
 if __name__ == "__main__":

@@ -11,10 +11,7 @@ refused with 401 (the SDK's AuthenticationError).
 """
 
 import argparse
-import json
 import ssl
-import sys
-import traceback
 
 import openai
 
@@ -23,24 +20,7 @@ try:  # the HTTP client this openai release is built on
 except ImportError:
     import httpx
 
-failed = False
-
-
-def emit(call, **fields):
-    print(json.dumps({"call": call, "ok": True, **fields}), flush=True)
-
-
-def run(call, fn):
-    global failed
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - every failure is reported
-        failed = True
-        print(
-            json.dumps({"call": call, "ok": False, "error": f"{type(e).__name__}: {e}"}),
-            flush=True,
-        )
-        traceback.print_exc(file=sys.stderr)
+from calls import emit, finish, run
 
 
 def main():
@@ -104,7 +84,7 @@ def main():
 
         run("wrong_key", refused)
 
-    sys.exit(1 if failed else 0)
+    finish()
 
 
 if __name__ == "__main__":

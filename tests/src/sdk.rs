@@ -1,7 +1,8 @@
 //! The official Anthropic and OpenAI Python SDKs as a user's program runs
-//! them: `tests/sdk/*.py` make every kind of Messages and Responses call
-//! against a base URL (a sim-engine, a router, anything serving the APIs)
-//! and print one JSON line per call.
+//! them: `tests/sdk/*_calls.py` make every kind of Messages and Responses
+//! call against a base URL (a sim-engine, a router, anything serving the
+//! APIs) and print one JSON line per call; `tests/sdk/calls.py` holds what
+//! they share.
 //!
 //! `cargo xtask setup` installs the pinned SDKs into a virtualenv in the
 //! cache folder (`xtask/src/sdk.rs`); this module finds it there.
@@ -162,6 +163,8 @@ pub fn run(python: &Path, script: Script, base_url: &str, model: &str, extra: &[
         .args(["--base-url", base_url, "--model", model])
         .args(extra)
         .env("PYTHONUNBUFFERED", "1")
+        // The scripts import `calls.py` beside them: no `__pycache__` in the work tree.
+        .env("PYTHONDONTWRITEBYTECODE", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
