@@ -11,46 +11,75 @@ fn bin_dir() -> PathBuf {
     router.parent().expect("bin folder").to_path_buf()
 }
 
-fn prefix_bench(args: &[&str]) -> std::process::Output {
-    let out = Command::new(env!("CARGO_BIN_EXE_prefix-bench"))
-        .arg("--bin-dir")
-        .arg(bin_dir())
-        .args(args)
-        .output()
-        .expect("run prefix-bench");
-    assert!(
-        out.status.success(),
-        "prefix-bench {args:?} failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
 fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("prefix-bench-smoke-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     d
 }
 
+/// One run of prefix-bench that succeeded, and the folder it wrote.
+struct Run {
+    /// What `--out` named: a fresh folder of the test's own.
+    out: PathBuf,
+    /// What it printed.
+    stdout: String,
+}
+
+impl Run {
+    /// Runs `prefix-bench --out <fresh folder named after name> args…`;
+    /// panics, with what it printed, unless it succeeds.
+    fn new(name: &str, args: &[&str]) -> Run {
+        let out = tmp(name);
+        let args = [&["--out", out.to_str().unwrap()], args].concat();
+        let o = Command::new(env!("CARGO_BIN_EXE_prefix-bench"))
+            .arg("--bin-dir")
+            .arg(bin_dir())
+            .args(&args)
+            .output()
+            .expect("run prefix-bench");
+        let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+        assert!(
+            o.status.success(),
+            "prefix-bench {args:?} failed:\n{stdout}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        Run { out, stdout }
+    }
+
+    /// Its `results.json`.
+    fn results(&self) -> serde_json::Value {
+        serde_json::from_slice(&std::fs::read(self.out.join("results.json")).unwrap()).unwrap()
+    }
+
+    /// Its `report.md`.
+    fn report(&self) -> String {
+        std::fs::read_to_string(self.out.join("report.md")).unwrap()
+    }
+
+    /// Removes its folder; a failing test keeps it, to be looked at.
+    fn remove(self) {
+        let _ = std::fs::remove_dir_all(&self.out);
+    }
+}
+
 #[test]
 fn tiny_demo_writes_a_report_with_charts() {
-    let out = tmp("demo");
-    let o = prefix_bench(&[
-        "--out",
-        out.to_str().unwrap(),
+    let run = Run::new(
         "demo",
-        "--engines",
-        "2",
-        "--users",
-        "4",
-        "--duration",
-        "2",
-        // The peer routers never run under `cargo xtask test`.
-        "--peers",
-        "off",
-    ]);
-    let stdout = String::from_utf8_lossy(&o.stdout);
+        &[
+            "demo",
+            "--engines",
+            "2",
+            "--users",
+            "4",
+            "--duration",
+            "2",
+            // The peer routers never run under `cargo xtask test`.
+            "--peers",
+            "off",
+        ],
+    );
+    let (out, stdout) = (&run.out, &run.stdout);
     assert!(stdout.contains("report: "), "{stdout}");
     for f in [
         "report.md",
@@ -62,8 +91,7 @@ fn tiny_demo_writes_a_report_with_charts() {
     ] {
         assert!(out.join(f).exists(), "{f} missing in {}", out.display());
     }
-    let r: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    let r = run.results();
     let policies = r["policies"].as_array().unwrap();
     assert_eq!(policies.len(), 3);
     for p in policies {
@@ -102,7 +130,7 @@ fn tiny_demo_writes_a_report_with_charts() {
         assert_eq!(engines, &["engine-0", "engine-1"], "{policy}'s load panel");
         assert!(*lines >= 2, "{policy}'s load panel draws {lines} lines");
     }
-    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    let md = run.report();
     assert!(md.contains("| pooled |"), "{md}");
     // The cost per conversation: first in the report, then its table with
     // every policy set against round-robin.
@@ -119,11 +147,7 @@ fn tiny_demo_writes_a_report_with_charts() {
         "{md}"
     );
     for policy in ["prefix", "round-robin", "least-request"] {
-        let line = md
-            .lines()
-            .filter(|l| l.starts_with(&format!("| {policy} | ")))
-            .find(|l| l.split(" | ").count() == 9)
-            .unwrap_or_else(|| panic!("no cost line for {policy}:\n{md}"));
+        let line = cost_line(&md, &[policy], 9);
         let cells: Vec<&str> = line.split(" | ").collect();
         assert!(cells[3].ends_with('%') && cells[5].ends_with('%'), "{line}");
     }
@@ -132,7 +156,17 @@ fn tiny_demo_writes_a_report_with_charts() {
         md.contains("| policy | engine-0 | engine-1 | max/mean |"),
         "requests per engine:\n{md}"
     );
-    let _ = std::fs::remove_dir_all(&out);
+    run.remove();
+}
+
+/// The line of the report's cost table whose first cells are `first` and
+/// that has `cells` cells in all (split at `" | "`); panics without one.
+fn cost_line<'a>(md: &'a str, first: &[&str], cells: usize) -> &'a str {
+    let start = format!("| {} | ", first.join(" | "));
+    md.lines()
+        .filter(|l| l.starts_with(&start))
+        .find(|l| l.split(" | ").count() == cells)
+        .unwrap_or_else(|| panic!("no cost line for {}:\n{md}", first.join(" / ")))
 }
 
 /// Each panel of a load chart: its policy, the engines its legend names,
@@ -188,22 +222,21 @@ fn tiny_bench_measures_every_target() {
             "off"
         }
     };
-    let out = tmp("bench");
     let root = tmp("bench-root");
-    prefix_bench(&[
-        "--out",
-        out.to_str().unwrap(),
-        "--results-root",
-        root.to_str().unwrap(),
+    let run = Run::new(
         "bench",
-        "--quick",
-        "--nginx",
-        mode,
-        "--baseline",
-        "none",
-    ]);
-    let r: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+        &[
+            "--results-root",
+            root.to_str().unwrap(),
+            "bench",
+            "--quick",
+            "--nginx",
+            mode,
+            "--baseline",
+            "none",
+        ],
+    );
+    let r = run.results();
     let rows = r["overhead"]["rows"].as_array().unwrap();
     let mut want = vec!["direct", "prefix-router"];
     if mode == "require" {
@@ -253,7 +286,7 @@ fn tiny_bench_measures_every_target() {
             assert!(v > 0.0, "{k}: {x}");
         }
     }
-    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    let md = run.report();
     assert!(md.contains("## Targets"), "{md}");
     assert!(md.contains("### Cost per conversation"), "{md}");
     // Every scenario states its saving against round-robin.
@@ -262,37 +295,32 @@ fn tiny_bench_measures_every_target() {
             x["scenario"].as_str().unwrap(),
             x["policy"].as_str().unwrap(),
         );
-        let line = md
-            .lines()
-            .filter(|l| l.starts_with(&format!("| {sc} | {policy} | ")))
-            .find(|l| l.split(" | ").count() == 10)
-            .unwrap_or_else(|| panic!("no cost line for {sc} / {policy}:\n{md}"));
+        let line = cost_line(&md, &[sc, policy], 10);
         let cells: Vec<&str> = line.split(" | ").collect();
         assert!(cells[4].ends_with('%') && cells[6].ends_with('%'), "{line}");
     }
-    let _ = std::fs::remove_dir_all(&out);
+    run.remove();
 }
 
 #[test]
 fn tiny_replicas_run_reports_each_replica_count() {
-    let out = tmp("replicas");
-    prefix_bench(&[
-        "--out",
-        out.to_str().unwrap(),
-        "quality",
-        "--scenario",
-        "templated-batch",
-        "--replicas",
-        "1,2",
-        "--policies",
-        "prefix,prefix@alone",
-        "--duration",
-        "2",
-        "--peers",
-        "off",
-    ]);
-    let r: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    let run = Run::new(
+        "replicas",
+        &[
+            "quality",
+            "--scenario",
+            "templated-batch",
+            "--replicas",
+            "1,2",
+            "--policies",
+            "prefix,prefix@alone",
+            "--duration",
+            "2",
+            "--peers",
+            "off",
+        ],
+    );
+    let r = run.results();
     let rows = r["quality_rows"].as_array().unwrap();
     let counts: Vec<u64> = rows
         .iter()
@@ -316,7 +344,7 @@ fn tiny_replicas_run_reports_each_replica_count() {
         let kept = x["kept"].as_f64().unwrap_or_else(|| panic!("{x}"));
         assert!(kept > 0.0, "{x}");
     }
-    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    let md = run.report();
     assert!(md.contains("### Router replicas"), "{md}");
     for n in [1, 2] {
         assert!(
@@ -324,31 +352,30 @@ fn tiny_replicas_run_reports_each_replica_count() {
             "no line for {n} replicas:\n{md}"
         );
     }
-    let _ = std::fs::remove_dir_all(&out);
+    run.remove();
 }
 
 #[test]
 fn tiny_restart_measures_the_restarted_replica_and_each_stream() {
-    let out = tmp("restart");
-    prefix_bench(&[
-        "--out",
-        out.to_str().unwrap(),
-        "quality",
-        "--scenario",
-        "templated-batch",
-        "--replicas",
-        "2",
-        "--policies",
-        "prefix",
-        "--duration",
-        "3",
-        "--restart-replica",
-        "1",
-        "--peers",
-        "off",
-    ]);
-    let r: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    let run = Run::new(
+        "restart",
+        &[
+            "quality",
+            "--scenario",
+            "templated-batch",
+            "--replicas",
+            "2",
+            "--policies",
+            "prefix",
+            "--duration",
+            "3",
+            "--restart-replica",
+            "1",
+            "--peers",
+            "off",
+        ],
+    );
+    let r = run.results();
     let row = &r["quality_rows"][0];
     let restart = &row["restarts"][0];
     let ready = restart["ready_after_s"]
@@ -375,7 +402,7 @@ fn tiny_restart_measures_the_restarted_replica_and_each_stream() {
             .any(|c| c["target"].as_str().unwrap().contains("restarted")),
         "{checks:?}"
     );
-    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    let md = run.report();
     for line in [
         "### A replica killed and restarted",
         "### Replica stream bandwidth",
@@ -384,29 +411,22 @@ fn tiny_restart_measures_the_restarted_replica_and_each_stream() {
     ] {
         assert!(md.contains(line), "no {line:?} in:\n{md}");
     }
-    let _ = std::fs::remove_dir_all(&out);
+    run.remove();
 }
 
 #[test]
 fn tiny_replicas_bandwidth_reports_each_replica_s_stream() {
-    let out = tmp("bandwidth");
-    let o = prefix_bench(&[
-        "--out",
-        out.to_str().unwrap(),
-        "replicas-bandwidth",
-        "--rate",
-        "50",
-        "--duration",
-        "2",
-    ]);
-    let stdout = String::from_utf8_lossy(&o.stdout);
+    let run = Run::new(
+        "bandwidth",
+        &["replicas-bandwidth", "--rate", "50", "--duration", "2"],
+    );
+    let stdout = &run.stdout;
     assert!(stdout.contains("Achieved: **"), "{stdout}");
     assert!(
         stdout.contains("| replica | requests/s served |"),
         "{stdout}"
     );
-    let r: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("results.json")).unwrap()).unwrap();
+    let r = run.results();
     assert!(r["requests"].as_u64().unwrap() > 0, "{r}");
     let replicas = r["replicas"].as_array().unwrap();
     assert_eq!(replicas.len(), 2, "{r}");
@@ -414,5 +434,5 @@ fn tiny_replicas_bandwidth_reports_each_replica_s_stream() {
         assert!(b["bytes"].as_u64().unwrap() > 0, "{b}");
         assert!(b["requests"].as_u64().unwrap() > 0, "{b}");
     }
-    let _ = std::fs::remove_dir_all(&out);
+    run.remove();
 }
