@@ -96,13 +96,22 @@ pub struct Scenario {
 impl Scenario {
     /// The defaults of `kind`.
     pub fn new(kind: ScenarioKind) -> Self {
-        let base = Scenario {
+        // What sets the kinds apart: how many shared prefixes and how long,
+        // how long a user message, how many turns, how long an answer.
+        let (prefixes, prefix_tokens, user_tokens, turns, max_tokens) = match kind {
+            ScenarioKind::Chat => (4, 500, 60, (3, 8), 64),
+            ScenarioKind::FewShot => (4, 1500, 30, (1, 1), 32),
+            ScenarioKind::HotPrefix => (16, 1000, 40, (1, 1), 32),
+            ScenarioKind::LongDoc => (4, 20_000, 30, (2, 5), 64),
+            ScenarioKind::Agent => (2, 1500, 100, (4, 12), 96),
+        };
+        Scenario {
             kind,
-            prefixes: 4,
-            prefix_tokens: 500,
-            user_tokens: 60,
-            turns: (3, 8),
-            max_tokens: 64,
+            prefixes,
+            prefix_tokens,
+            user_tokens,
+            turns,
+            max_tokens,
             think_time_ms: 0.0,
             hot_fraction: 0.8,
             tool_tokens: 300,
@@ -111,39 +120,6 @@ impl Scenario {
             user_tokens_max: 0,
             service_tier: None,
             user: None,
-        };
-        match kind {
-            ScenarioKind::Chat => base,
-            ScenarioKind::FewShot => Scenario {
-                prefix_tokens: 1500,
-                user_tokens: 30,
-                turns: (1, 1),
-                max_tokens: 32,
-                ..base
-            },
-            ScenarioKind::HotPrefix => Scenario {
-                prefixes: 16,
-                prefix_tokens: 1000,
-                user_tokens: 40,
-                turns: (1, 1),
-                max_tokens: 32,
-                ..base
-            },
-            ScenarioKind::LongDoc => Scenario {
-                prefix_tokens: 20_000,
-                user_tokens: 30,
-                turns: (2, 5),
-                max_tokens: 64,
-                ..base
-            },
-            ScenarioKind::Agent => Scenario {
-                prefixes: 2,
-                prefix_tokens: 1500,
-                user_tokens: 100,
-                turns: (4, 12),
-                max_tokens: 96,
-                ..base
-            },
         }
     }
 }
