@@ -954,14 +954,14 @@ impl QualityRow {
         if runs.len() == 1 {
             return r;
         }
-        let m = |f: fn(&QualityRow) -> f64| median(runs.iter().map(f).collect());
+        let m = |f: fn(&QualityRow) -> f64| crate::table::median(runs.iter().map(f).collect());
         r.runs = runs.iter().map(|x| x.runs).sum();
         r.requests = runs.iter().map(|x| x.requests).sum();
         r.errors = runs.iter().map(|x| x.errors).sum();
         r.hit_rate = m(|x| x.hit_rate);
         r.ceiling = m(|x| x.ceiling);
         let pooled: Vec<f64> = runs.iter().filter_map(|x| x.pooled).collect();
-        r.pooled = (!pooled.is_empty()).then(|| median(pooled));
+        r.pooled = (!pooled.is_empty()).then(|| crate::table::median(pooled));
         r.ttft_p50_ms = m(|x| x.ttft_p50_ms);
         r.ttft_p90_ms = m(|x| x.ttft_p90_ms);
         r.ttft_p99_ms = m(|x| x.ttft_p99_ms);
@@ -971,7 +971,7 @@ impl QualityRow {
         r.load_max_mean = m(|x| x.load_max_mean);
         let costs: Vec<Cost> = runs.iter().filter_map(|x| x.cost).collect();
         r.cost = (!costs.is_empty()).then(|| {
-            let m = |f: fn(&Cost) -> f64| median(costs.iter().map(f).collect());
+            let m = |f: fn(&Cost) -> f64| crate::table::median(costs.iter().map(f).collect());
             Cost {
                 conversations: m(|c| c.conversations),
                 computed_tokens: m(|c| c.computed_tokens),
@@ -1299,15 +1299,6 @@ pub fn run(
     }
     fill_kept(&mut rows);
     Ok(rows)
-}
-
-/// The median of `v` (the upper one of an even count; 0 when empty).
-pub(crate) fn median(mut v: Vec<f64>) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 #[cfg(test)]

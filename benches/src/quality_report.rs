@@ -501,7 +501,7 @@ pub fn quality_markdown(q: &crate::quality::QualityCfg, rows: &[QualityRow]) -> 
         );
     }
     m.push_str(&crate::apis::markdown(rows));
-    m.push_str(&crate::tenants::markdown(rows));
+    m.push_str(&crate::tenants::report::markdown(rows));
     m
 }
 

@@ -175,7 +175,7 @@ impl BenchResults {
         crate::quality_report::check_placement_targets(&self.quality_rows, &mut c);
         crate::quality_report::check_picker_targets(&self.quality_rows, &mut c);
         crate::apis::check_targets(&self.quality_rows, &mut c);
-        crate::tenants::check_targets(&self.quality_rows, &mut c);
+        crate::tenants::report::check_targets(&self.quality_rows, &mut c);
         self.checks = c;
     }
 

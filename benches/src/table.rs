@@ -1,8 +1,18 @@
 //! What every report is made of: tables printable as Markdown or aligned
-//! text, percentages, and the project's targets as checked rows.
+//! text, percentages, medians, and the project's targets as checked
+//! rows.
 
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
+
+/// The median of `v` (the upper one of an even count; 0 when empty).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
 
 pub fn pct(x: f64) -> String {
     format!("{:.1}%", x * 100.0)
