@@ -525,6 +525,30 @@ impl Feedback {
         self.capacity.store((blocks as f64).to_bits(), Relaxed);
     }
 
+    /// Whether answers have taught a capacity here (or a peer's snapshot).
+    pub fn capacity_learned(&self) -> bool {
+        self.capacity_samples.load(Relaxed) > 0
+    }
+
+    /// A peer's learned capacity, from its snapshot, while this router has
+    /// neither been told one nor learned one (a replica catching up): the
+    /// estimate starts there, as one sample, instead of at the guess, and
+    /// answers refine it as they would have. Ignored when it is 0 or not
+    /// under the current estimate.
+    pub fn adopt_capacity(&self, blocks: usize) {
+        if blocks == 0 || self.capacity_known() || blocks >= self.capacity() {
+            return;
+        }
+        if self
+            .capacity_samples
+            .compare_exchange(0, 1, Relaxed, Relaxed)
+            .is_ok()
+        {
+            let cap = blocks.max(MIN_CAPACITY_BLOCKS) as f64;
+            self.capacity.store(cap.to_bits(), Relaxed);
+        }
+    }
+
     /// True the first time it is called: the caller looks up the engine's
     /// published capacity then.
     pub fn first_capacity_lookup(&self) -> bool {
@@ -1180,6 +1204,32 @@ mod tests {
             f.observe(usage(1600), 100, &ages(5000), 0);
         }
         assert_eq!(f.capacity(), 1000);
+    }
+
+    #[test]
+    fn a_replica_catching_up_starts_from_its_peer_s_learned_capacity() {
+        // Nothing learned here: a peer's 480 replaces the guess, as one
+        // sample, and the next eviction moves it halfway, not all the way.
+        let f = Feedback::new(65_536);
+        assert!(!f.capacity_learned());
+        f.adopt_capacity(480);
+        assert_eq!(f.capacity(), 480);
+        assert!(f.capacity_learned());
+        f.learn(Lesson::Evicted { age: 400 });
+        assert_eq!(f.capacity(), 440);
+        // Once learned here, a snapshot changes nothing.
+        f.adopt_capacity(100);
+        assert_eq!(f.capacity(), 440);
+        // Nothing from a peer that learned nothing (0), nor what is not
+        // under the guess (an older build's index capacity).
+        let g = Feedback::new(65_536);
+        g.adopt_capacity(0);
+        g.adopt_capacity(65_536);
+        assert_eq!((g.capacity(), g.capacity_learned()), (65_536, false));
+        // A published capacity stays.
+        g.set_known_capacity(1000);
+        g.adopt_capacity(500);
+        assert_eq!(g.capacity(), 1000);
     }
 
     #[test]

@@ -27,8 +27,11 @@
 //!   two values: the peers learn from it as from their own answers;
 //! - `Stored`: backend, a response id (length, bytes): the backend stored
 //!   that response (`fleet::stored`);
-//! - `SnapshotRequest`: empty; `SnapshotBlocks`: backend, its capacity, then
-//!   (block, anchor) pairs oldest first; `SnapshotEnd`: backends sent.
+//! - `SnapshotRequest`: empty; `SnapshotBlocks`: backend, the capacity the
+//!   sender learned or was told of it (0: neither; older builds sent their
+//!   index's capacity, which the receiver ignores unless it is under its
+//!   own estimate), then (block, anchor) pairs oldest first; `SnapshotEnd`:
+//!   backends sent.
 //!
 //! A frame is checked whole before anything is read from it: its length,
 //! its MAC, then every count against what is left.

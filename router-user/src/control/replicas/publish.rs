@@ -231,7 +231,14 @@ async fn serve_snapshots(
         let mut sent = 0u32;
         for b in &fleet.backends {
             let pairs = router.index.export(b.slot);
-            let capacity = router.index.capacity(b.slot) as u64;
+            // What this replica learned of the engine's capacity (0: none
+            // learned nor published), for a replica catching up.
+            let learned = b.feedback.capacity_known() || b.feedback.capacity_learned();
+            let capacity = if learned {
+                b.feedback.capacity() as u64
+            } else {
+                0
+            };
             for chunk in pairs.chunks(wire::SNAPSHOT_BLOCKS_PER_FRAME) {
                 let mut p = Payload::new(Kind::SnapshotBlocks, 24 + 16 * chunk.len());
                 p.u64(b.id_hash).u64(capacity).words(

@@ -87,10 +87,15 @@ async fn fetch(router: &Router, key: &Key, me: u64, addr: SocketAddr) -> Option<
         }
         next += 1;
         match msg.body {
-            Body::SnapshotBlocks { backend, pairs, .. } => {
+            Body::SnapshotBlocks {
+                backend,
+                capacity,
+                pairs,
+            } => {
                 let Some(b) = by_id.get(&backend) else {
                     continue;
                 };
+                b.feedback.adopt_capacity(capacity as usize);
                 let words: Vec<u64> = pairs.iter().collect();
                 let chunk = words.chunks_exact(2).map(|p| [p[0], p[1]]);
                 match got.last_mut() {
