@@ -12,7 +12,8 @@ fn rec(tenant: &str, status: u16, ttft_ms: f64) -> Record {
     .expect("a record")
 }
 
-fn small(p50: f64, p99: f64) -> TenantFigures {
+/// The small tenant's figures with these TTFTs (the report's tests too).
+pub(super) fn small(p50: f64, p99: f64) -> TenantFigures {
     TenantFigures {
         small_answered: 100,
         small_ttft_p50_ms: p50,

@@ -1,5 +1,6 @@
 use super::*;
 use crate::tenants::TenantFigures;
+use crate::tenants::tests::small;
 use serde_json::json;
 
 /// A one-replica row of `scenario` under `policy` with this split.
@@ -14,15 +15,6 @@ fn row(scenario: &str, policy: &str, f: TenantFigures) -> QualityRow {
     .expect("a row");
     r.tenants = Some(f);
     r
-}
-
-fn small(p50: f64, p99: f64) -> TenantFigures {
-    TenantFigures {
-        small_answered: 100,
-        small_ttft_p50_ms: p50,
-        small_ttft_p99_ms: p99,
-        ..Default::default()
-    }
 }
 
 #[test]
