@@ -331,6 +331,23 @@ fn print_learned_capacity(r: &Router, qs: &QualityScenario) {
 /// `<scenario>.<router>.jsonl` (for studying where hits were lost).
 pub const RECORDS_ENV: &str = "PREFIX_BENCH_RECORDS";
 
+/// Writes a run's records under `PREFIX_BENCH_RECORDS`, when it is set.
+fn keep_records(
+    qs: &QualityScenario,
+    front: Front<'_>,
+    replicas: usize,
+    records: &[Record],
+) -> anyhow::Result<()> {
+    let Some(dir) = std::env::var_os(RECORDS_ENV) else {
+        return Ok(());
+    };
+    let name = match replicas {
+        1 => front.name(),
+        n => format!("{}-x{n}", front.name()),
+    };
+    write_records(Path::new(&dir), &qs.label(), &name, records)
+}
+
 fn write_records(
     dir: &Path,
     scenario: &str,
@@ -821,13 +838,7 @@ pub fn run_one(
     } else {
         Vec::new()
     };
-    if let Some(dir) = std::env::var_os(RECORDS_ENV) {
-        let name = match replicas {
-            1 => front.name(),
-            n => format!("{}-x{n}", front.name()),
-        };
-        write_records(Path::new(&dir), &qs.label(), &name, &records)?;
-    }
+    keep_records(qs, front, replicas, &records)?;
     let each: Vec<Work> = engines
         .iter()
         .zip(&before)
@@ -1280,6 +1291,9 @@ pub fn run(
                         round + 1
                     ));
                     let control = run_one(bins, qs, front, &cfg.timing, n, None)?;
+                    // The kept records are the run's with the restart, not
+                    // the control's written over them.
+                    keep_records(qs, front, n, &run.records)?;
                     f.pair(&run.records, &control.records);
                     if let Some(p) = &f.paired {
                         eprintln!(
